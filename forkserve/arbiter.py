@@ -1,0 +1,398 @@
+"""The arbiter: the one loop that owns the listeners, the workers and the life-cycle state.
+
+Owns: spawning, reaping and replacing workers (the ``WorkerHandle`` table), reading the counter
+pipe, worker liveness, reload generations, and applying what :mod:`forkserve.lifecycle`
+decides. It never runs application code (unless ``--preload``, and then only before forking).
+
+# -- runs in the loop ----------------------------------------------------------------------
+Everything here runs in the loop. Signals reach it as bytes on a wakeup pipe
+(:mod:`forkserve.signals`); the loop blocks in ``poll`` until the next deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from forkserve import signals as sigs
+from forkserve.config import Config, ConfigError, reloadable_changes, resolve
+from forkserve.counters import Decoder, ExitCode, Kind, Record
+from forkserve.lifecycle import Event, State, next_state
+from forkserve.logs import Log
+from forkserve.sockets import Listener
+from forkserve.workers import worker_class
+from forkserve.workers.base import WorkerSettings
+
+ARBITER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGUSR1,
+                   signal.SIGUSR2, signal.SIGCHLD, signal.SIGTTIN, signal.SIGTTOU)
+
+KILL_GRACE = 2.0  # seconds between SIGABRT/SIGQUIT and SIGKILL for a worker that will not go
+MAX_RESPAWN_DELAY = 10.0
+
+
+@dataclass
+class WorkerHandle:
+    """The arbiter's record of one worker process (the child's own runtime is ``Worker``)."""
+
+    worker_id: int
+    generation: int
+    pid: int = 0
+    spawned_at: float = 0.0
+    last_seen: float = 0.0
+    booted: bool = False
+    stopping: bool = False  # TERM or QUIT sent, or retiring on its own
+    retiring: str = ""  # why the worker leaves on its own (max-requests)
+    boot_error: str = ""
+    kill_reason: str = ""
+    kill_at: float | None = None  # SIGKILL deadline once a softer signal was sent
+    active_connections: int = 0
+    in_flight_requests: int = 0
+    background_tasks: int = 0
+    requests_served: int = 0
+
+    def describe(self) -> str:
+        return f"Worker {self.worker_id} (pid {self.pid})"
+
+
+@dataclass
+class Arbiter:
+    config: Config
+    cli_args: dict[str, Any]
+    listeners: list[Listener]
+    log: Log
+    app: Callable[..., Any] | None = None  # set only with --preload
+    state: State = State.BOOTING
+    generation: int = 1
+    workers: dict[int, WorkerHandle] = field(default_factory=dict)
+    exit_code: int = ExitCode.OK
+    reload_generation: int | None = None  # a HUP's generation still booting
+    deadline: float | None = None  # drain or cancel deadline
+    respawn_after: float = 0.0
+    boot_failures: int = 0
+    int_count: int = 0
+
+    # -- set-up ----------------------------------------------------------------------------
+    def run(self) -> int:
+        self.signals = sigs.SignalQueue(ARBITER_SIGNALS)
+        self.counter_r, self.counter_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        # Workers poll the read end; when the arbiter dies (even by SIGKILL) the last write
+        # end closes and every worker sees EOF at once (Puma's check pipe).
+        self.alive_r, self.alive_w = os.pipe2(os.O_CLOEXEC)
+        self.decoder = Decoder()
+        self.worker_cls = worker_class(self.config.worker_class)
+        self.settings = WorkerSettings(self.config)
+        self.dispatch: dict[int, Callable[[], None]] = {
+            signal.SIGTERM: self.stop,
+            signal.SIGINT: self.interrupt,
+            signal.SIGQUIT: self.halt,
+            signal.SIGHUP: self.reload,
+            signal.SIGUSR1: self.reopen_logs,
+            signal.SIGUSR2: self.not_yet("USR2 (in-place upgrade)"),
+            signal.SIGTTIN: self.not_yet("TTIN (resume listening)"),
+            signal.SIGTTOU: self.not_yet("TTOU (pause listening)"),
+            signal.SIGCHLD: self.reap,
+        }
+        poller = select.poll()
+        poller.register(self.signals.fileno(), select.POLLIN)
+        poller.register(self.counter_r, select.POLLIN)
+        self.log.info("Starting forkserve", listening=",".join(l.name() for l in self.listeners),
+                      workers=self.config.worker_count, worker_class=self.config.worker_class,
+                      app=self.config.app)
+        self.spawn_missing(time.monotonic())
+        while self.state is not State.STOPPED:
+            timeout = self.next_timeout(time.monotonic())
+            poller.poll(None if timeout is None else timeout * 1000.0 + 1)
+            for signum in self.signals.drain():
+                self.dispatch.get(signum, self.reap)()
+            self.read_counters()
+            self.reap()
+            self.tick(time.monotonic())
+        self.shutdown()
+        return self.exit_code
+
+    def shutdown(self) -> None:
+        for listener in self.listeners:
+            listener.close(unlink=True)
+        self.log.info("Server stopped", exit_code=int(self.exit_code))
+
+    # -- state -----------------------------------------------------------------------------
+    def transition(self, event: Event, message: str, level: str = "info", **fields: Any) -> None:
+        self.state = next_state(self.state, event)
+        getattr(self.log, level)(message, state=self.state.value, **self.totals(), **fields)
+
+    def totals(self) -> dict[str, int]:
+        live = self.workers.values()
+        return {
+            "active_connections": sum(h.active_connections for h in live),
+            "in_flight_requests": sum(h.in_flight_requests for h in live),
+            "workers": len(self.workers),
+        }
+
+    # -- signals (dispatched from the loop) ---------------------------------------------------
+    def stop(self) -> None:
+        if self.state not in (State.BOOTING, State.RUNNING):
+            return  # already stopping: a second TERM changes nothing
+        self.transition(Event.STOP, "Received shutdown signal, draining connections")
+        for listener in self.listeners:
+            listener.sock.close()  # the workers hold the accept queue until they stop
+        self.deadline = time.monotonic() + self.config.drain_timeout
+        self.signal_workers(signal.SIGTERM, list(self.workers.values()))
+        self.check_gone()
+
+    def interrupt(self) -> None:
+        self.int_count += 1
+        if self.int_count > 1 and self.state in (State.DRAINING, State.CANCELLING):
+            self.halt()
+        else:
+            self.stop()
+
+    def halt(self) -> None:
+        if self.state in (State.HALTING, State.STOPPED):
+            return
+        self.transition(Event.HARD_STOP, "Hard stop: stopping workers now")
+        self.halt_workers()
+
+    def halt_workers(self) -> None:
+        for listener in self.listeners:
+            listener.sock.close()
+        now = time.monotonic()
+        for handle in self.workers.values():
+            self.send(handle, signal.SIGQUIT)
+            handle.kill_at = now + KILL_GRACE
+        self.check_gone()
+
+    def reopen_logs(self) -> None:
+        self.log.reopen()
+        self.log.info("Reopened log files")
+        self.signal_workers(signal.SIGUSR1, list(self.workers.values()))
+
+    def not_yet(self, what: str) -> Callable[[], None]:
+        def ignore() -> None:
+            self.log.warning(f"{what} is not supported yet; signal ignored")
+        return ignore
+
+    def reload(self) -> None:
+        if self.state is not State.RUNNING or self.reload_generation is not None:
+            self.log.warning("Reload ignored: the server is not running steadily",
+                             state=self.state.value)
+            return
+        try:
+            new = resolve(self.cli_args, os.environ)
+        except ConfigError as exc:
+            self.log.error("Reload failed, keeping the current configuration", error=str(exc))
+            return
+        fixed = list(reloadable_changes(self.config, new))
+        if fixed:
+            self.log.warning("These settings need a restart to change; kept as they were",
+                             settings=",".join(fixed))
+            for name in fixed:
+                new.values[name] = self.config.values[name]
+        if self.app is not None:
+            self.log.warning("With --preload, HUP restarts workers but not the application code")
+        self.config = new
+        self.log.configure(new.log_level, new.log_format)
+        self.settings = WorkerSettings(new)
+        self.worker_cls = worker_class(new.worker_class)
+        self.generation += 1
+        self.reload_generation = self.generation
+        self.log.info("Reloading: starting a new generation of workers", generation=self.generation,
+                      workers=new.worker_count)
+        self.spawn_missing(time.monotonic())
+
+    # -- workers ---------------------------------------------------------------------------
+    def spawn(self, worker_id: int, now: float) -> None:
+        handle = WorkerHandle(worker_id, self.generation, spawned_at=now, last_seen=now)
+        pid = sigs.fork_with_signals_blocked()
+        if pid == 0:  # the child: never returns into the arbiter's loop
+            try:
+                worker = self.worker_cls(
+                    worker_id, self.generation, self.settings, self.listeners, self.counter_w,
+                    self.alive_r, self.log, self.app,
+                    close_fds=[self.counter_r, self.alive_w, self.signals.read_fd,
+                               self.signals.write_fd])
+                worker.run_child()
+            finally:
+                os._exit(ExitCode.ERROR)
+        handle.pid = pid
+        self.workers[pid] = handle
+        self.log.debug("Spawned worker", worker=worker_id, pid=pid, generation=self.generation)
+
+    def current(self) -> list[WorkerHandle]:
+        return [h for h in self.workers.values() if h.generation == self.generation and not h.stopping]
+
+    def spawn_missing(self, now: float) -> None:
+        if self.state not in (State.BOOTING, State.RUNNING) or now < self.respawn_after:
+            return
+        taken = {h.worker_id for h in self.current()}
+        for worker_id in range(1, self.config.worker_count + 1):
+            if worker_id not in taken:
+                self.spawn(worker_id, now)
+        # A smaller count after a reload: retire the extra workers of this generation.
+        extra = [h for h in self.current() if h.worker_id > self.config.worker_count]
+        self.signal_workers(signal.SIGTERM, extra)
+
+    def send(self, handle: WorkerHandle, signum: int) -> None:
+        try:
+            os.kill(handle.pid, signum)
+        except ProcessLookupError:
+            return  # already gone; reaping will tell
+
+    def signal_workers(self, signum: int, handles: list[WorkerHandle]) -> None:
+        for handle in handles:
+            if signum in (signal.SIGTERM, signal.SIGQUIT):
+                handle.stopping = True
+            self.send(handle, signum)
+
+    def read_counters(self) -> None:
+        now = time.monotonic()
+        while True:
+            try:
+                data = os.read(self.counter_r, 65536)
+            except BlockingIOError:
+                return
+            for record in self.decoder.feed(data):
+                handle = self.workers.get(record.pid)
+                if handle is not None:
+                    self.on_record(handle, record, now)
+
+    def on_record(self, handle: WorkerHandle, record: Record, now: float) -> None:
+        handle.last_seen = now
+        handle.active_connections = record.active_connections
+        handle.in_flight_requests = record.in_flight_requests
+        handle.background_tasks = record.background_tasks
+        handle.requests_served = record.requests_served
+        if record.kind is Kind.BOOTED:
+            handle.booted = True
+            self.boot_failures = 0
+            self.check_booted()
+        elif record.kind is Kind.BOOT_ERROR:
+            handle.boot_error = record.text
+        elif record.kind is Kind.RETIRING:
+            handle.retiring = record.text
+            handle.stopping = True
+            self.spawn_missing(now)  # its replacement boots while it finishes
+
+    def check_booted(self) -> None:
+        generation = self.current()
+        if len(generation) < self.config.worker_count or not all(h.booted for h in generation):
+            return
+        if self.state is State.BOOTING:
+            self.transition(Event.BOOTED, "Server ready", generation=self.generation)
+        elif self.reload_generation == self.generation:
+            self.reload_generation = None
+            old = [h for h in self.workers.values() if h.generation < self.generation]
+            self.log.info("Reload complete: new workers booted, stopping the old ones",
+                          generation=self.generation, old_workers=len(old))
+            self.signal_workers(signal.SIGTERM, old)
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            handle = self.workers.pop(pid, None)
+            if handle is not None:
+                self.on_exit(handle, status)
+        # Unknown children (we may be PID 1 in a container) are reaped and forgotten.
+
+    def on_exit(self, handle: WorkerHandle, status: int) -> None:
+        how = describe_status(status)
+        if not handle.booted:
+            self.on_boot_failure(handle, how)
+        elif handle.kill_reason:
+            self.log.error(f"{handle.describe()} {how} after {handle.kill_reason}")
+        elif handle.retiring:
+            self.log.info(f"{handle.describe()} retired: {handle.retiring}")
+        elif handle.stopping:
+            self.log.info(f"{handle.describe()} {how}", generation=handle.generation)
+        else:
+            self.log.error(f"{handle.describe()} {how} unexpectedly; replacing it",
+                           generation=handle.generation)
+        self.check_gone()
+        self.check_booted()
+
+    def on_boot_failure(self, handle: WorkerHandle, how: str) -> None:
+        reason = handle.boot_error or handle.kill_reason or f"a worker {how} while booting"
+        code = ExitCode.APP_LOAD_ERROR if handle.boot_error else ExitCode.WORKER_BOOT_ERROR
+        if handle.stopping or self.state not in (State.BOOTING, State.RUNNING):
+            return  # stopped on purpose before it was ready
+        if self.state is State.BOOTING:
+            # Never a fork loop: the first generation cannot boot, so nothing can serve.
+            self.exit_code = code
+            self.transition(Event.BOOT_FAILED, f"Application failed to boot: {reason}", level="error")
+            self.halt_workers()
+            return
+        if self.reload_generation == handle.generation:
+            self.reload_generation = None
+            failed = [h for h in self.workers.values() if h.generation == handle.generation]
+            self.signal_workers(signal.SIGQUIT, failed)
+            self.generation = max((h.generation for h in self.workers.values()
+                                   if h.generation < handle.generation), default=self.generation)
+            self.log.error(f"Reload failed, the old workers keep serving: {reason}")
+            return
+        # A replacement failed while the rest serve: retry, slower and slower (no fork loop).
+        self.boot_failures += 1
+        delay = min(0.5 * 2 ** (self.boot_failures - 1), MAX_RESPAWN_DELAY)
+        self.respawn_after = time.monotonic() + delay
+        self.log.error(f"{handle.describe()} failed to boot: {reason}; retrying in {delay:g}s")
+
+    def check_gone(self) -> None:
+        if not self.workers and self.state in (State.DRAINING, State.CANCELLING, State.HALTING):
+            self.transition(Event.WORKERS_GONE, "All workers stopped")
+
+    # -- deadlines -------------------------------------------------------------------------
+    def next_timeout(self, now: float) -> float | None:
+        deadlines = []
+        if self.deadline is not None:
+            deadlines.append(self.deadline)
+        timeout = self.config.timeout
+        for handle in self.workers.values():
+            if handle.kill_at is not None:
+                deadlines.append(handle.kill_at)
+            elif timeout and not handle.stopping:
+                deadlines.append(handle.last_seen + timeout)
+        if self.respawn_after > now:
+            deadlines.append(self.respawn_after)
+        if not deadlines:
+            return None
+        return max(min(deadlines) - now, 0.0)
+
+    def tick(self, now: float) -> None:
+        timeout = self.config.timeout
+        for handle in list(self.workers.values()):
+            if handle.kill_at is not None:
+                if now >= handle.kill_at:
+                    self.log.error(f"{handle.describe()} did not stop; sending SIGKILL")
+                    handle.kill_reason = handle.kill_reason or "a hard stop"
+                    handle.kill_at = None
+                    self.send(handle, signal.SIGKILL)
+            elif timeout and not handle.stopping and now - handle.last_seen >= timeout:
+                what = "boot" if not handle.booted else "heartbeat"
+                self.log.error(f"{handle.describe()} timed out (no {what} for {timeout:g}s); "
+                               "killing it")
+                handle.kill_reason = f"a timeout ({timeout:g}s without a {what})"
+                handle.kill_at = now + KILL_GRACE
+                self.send(handle, signal.SIGABRT)
+        if self.deadline is not None and now >= self.deadline:
+            self.deadline = None
+            if self.state is State.DRAINING:
+                self.transition(Event.DEADLINE, "Drain timeout reached, stopping remaining workers",
+                                level="warning")
+                self.halt_workers()
+        if self.state in (State.BOOTING, State.RUNNING):
+            self.spawn_missing(now)
+
+
+def describe_status(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        signum = os.WTERMSIG(status)
+        return f"was killed by signal {signum} ({sigs.name(signum)})"
+    code = os.waitstatus_to_exitcode(status)
+    return f"exited with code {code}"

@@ -1,0 +1,349 @@
+"""The settings registry: every setting declared once.
+
+Owns: each setting's name, type, default, command-line flags, ``FORKSERVE_*`` environment
+name, YAML key, validation, whether HUP reloads it, and help text. Argparse and ``--help``
+are generated from it. Precedence: defaults < YAML file < environment < command line; every
+value records where it came from.
+
+Imports only the standard library and yaml (never the arbiter, workers or http).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import yaml
+
+ENV_PREFIX = "FORKSERVE_"
+
+
+class ConfigError(Exception):
+    """A bad setting, file or option: reported as one line, exit code 2."""
+
+
+# -- value parsers (each takes a str, or an already-typed YAML value) -------------------------
+
+def _int(minimum: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a whole number, got {value!r}")
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected a whole number, got {value!r}") from None
+        if number < minimum:
+            raise ValueError(f"must be at least {minimum}, got {number}")
+        return number
+
+    return parse
+
+
+def _seconds(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number of seconds, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a number of seconds, got {value!r}") from None
+    if number < 0 or number != number:
+        raise ValueError(f"must be zero or more seconds, got {value!r}")
+    return number
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _choice(*choices: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        text = str(value).strip().lower()
+        if text not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}; got {value!r}")
+        return text
+
+    return parse
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise ValueError(f"expected text, got {value!r}")
+    return str(value)
+
+
+def _optional_text(value: Any) -> str | None:
+    if value is None:
+        return None
+    return _text(value)
+
+
+def _bind(value: Any) -> str:
+    text = _text(value).strip()
+    if text.startswith("unix:"):
+        if len(text) == 5:
+            raise ValueError("unix: needs a path, e.g. unix:/run/app.sock")
+        return text
+    if text.startswith("fd://"):
+        _int(0)(text[5:])
+        return text
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = text, "8000"
+    if host.startswith("["):
+        if not host.endswith("]"):
+            raise ValueError(f"bad IPv6 address in {text!r}: use [::1]:PORT")
+    try:
+        number = int(port)
+    except ValueError:
+        raise ValueError(f"bad port in {text!r}") from None
+    if not 0 <= number <= 65535:
+        raise ValueError(f"port out of range in {text!r}")
+    return f"{host or '0.0.0.0'}:{number}"
+
+
+def _binds(value: Any) -> list[str]:
+    items = value if isinstance(value, list) else [value]
+    if not items:
+        raise ValueError("at least one address is needed")
+    return [_bind(item) for item in items]
+
+
+def _app(value: Any) -> str:
+    text = _text(value).strip()
+    module = text.partition(":")[0]
+    if not module or not all(part.isidentifier() for part in module.split(".")):
+        raise ValueError(f"expected MODULE:APP (e.g. myapp:wsgi), got {text!r}")
+    return text
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    flags: tuple[str, ...] = ()
+    metavar: str | None = None
+    reloadable: bool = True  # does HUP apply a changed value?
+    repeatable: bool = False  # -b a -b b
+    flag: bool = False  # takes no argument on the command line
+    aliases: tuple[str, ...] = ()  # extra command-line spellings (--graceful-timeout)
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("app", _app, None, "the WSGI application, MODULE:NAME or MODULE:factory(...)",
+            metavar="MODULE:APP"),
+    Setting("config", _optional_text, None, "YAML file of settings (keys as in --help, with _)",
+            flags=("-c", "--config"), metavar="FILE.yaml", reloadable=False),
+    Setting("bind", _binds, ["127.0.0.1:8000"],
+            "address to listen on: HOST:PORT, [::1]:PORT, unix:PATH or fd://N (repeatable)",
+            flags=("-b", "--bind"), metavar="ADDRESS", repeatable=True, reloadable=False),
+    Setting("workers", _int(1), None, "number of worker processes (default: CPU count)",
+            flags=("-w", "--workers"), metavar="N"),
+    Setting("worker_class", _choice("sync"), "sync", "worker type: sync",
+            flags=("-k", "--worker-class"), metavar="CLASS"),
+    Setting("backlog", _int(1), 2048, "listen queue length", flags=("--backlog",), metavar="N",
+            reloadable=False),
+    Setting("timeout", _seconds, 30.0,
+            "a worker silent (no heartbeat) this long is killed and replaced; 0 disables",
+            flags=("-t", "--timeout"), metavar="SECONDS"),
+    Setting("keepalive", _seconds, 5.0, "seconds an idle keep-alive connection is kept; 0 disables",
+            flags=("--keepalive",), metavar="SECONDS"),
+    Setting("header_timeout", _seconds, 10.0,
+            "seconds a client has to send a whole request head, and the longest pause in a body",
+            flags=("--header-timeout",), metavar="SECONDS"),
+    Setting("drain_timeout", _seconds, 25.0,
+            "on TERM/INT, seconds to let in-flight requests finish before they are stopped",
+            flags=("--drain-timeout",), aliases=("--graceful-timeout",), metavar="SECONDS"),
+    Setting("max_requests", _int(0), 0, "restart a worker after this many requests; 0 disables",
+            flags=("--max-requests",), metavar="N"),
+    Setting("max_requests_jitter", _int(0), 0, "add up to this many requests at random per worker",
+            flags=("--max-requests-jitter",), metavar="N"),
+    Setting("limit_request_line", _int(16), 8190, "longest request line in bytes (else 414)",
+            flags=("--limit-request-line",), metavar="BYTES"),
+    Setting("limit_request_fields", _int(1), 100, "most header fields in a request (else 431)",
+            flags=("--limit-request-fields",), metavar="N"),
+    Setting("limit_request_field_size", _int(16), 8190,
+            "longest header field (name and value) in bytes (else 431)",
+            flags=("--limit-request-field-size",), metavar="BYTES"),
+    Setting("limit_request_body", _int(0), 0, "largest request body in bytes (else 413); 0: no limit",
+            flags=("--limit-request-body",), metavar="BYTES"),
+    Setting("preload", _bool, False, "import the application in the arbiter, before forking",
+            flags=("--preload",), flag=True, reloadable=False),
+    Setting("chdir", _optional_text, None, "change to this directory before loading the app",
+            flags=("--chdir",), metavar="DIR", reloadable=False),
+    Setting("pidfile", _optional_text, None, "write the arbiter's PID to this file",
+            flags=("--pidfile",), metavar="FILE", reloadable=False),
+    Setting("log_level", _choice("debug", "info", "warning", "error", "critical"), "info",
+            "error-log level", flags=("--log-level",), metavar="LEVEL"),
+    Setting("log_format", _choice("text", "json"), "text", "error-log format: text or json",
+            flags=("--log-format",), metavar="FORMAT"),
+    Setting("access_log", _optional_text, None, "access-log file, or - for stdout (off by default)",
+            flags=("--access-log",), metavar="PATH"),
+    Setting("error_log", _text, "-", "error-log file, or - for stderr",
+            flags=("--error-log",), metavar="PATH"),
+)
+
+BY_NAME = {s.name: s for s in SETTINGS}
+
+
+@dataclass
+class Config:
+    """Resolved settings with the source of each value (default, file, env or cli)."""
+
+    values: dict[str, Any]
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    @property
+    def worker_count(self) -> int:
+        return self.values["workers"] or _cpu_count()
+
+    def describe(self) -> str:
+        return (f"app {self.app}: {self.worker_count} {self.worker_class} worker(s) on "
+                f"{', '.join(self.bind)}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def build_argparser(version: str) -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="forkserve",
+        description="A pre-fork WSGI server. Every option may also be set as FORKSERVE_NAME in "
+                    "the environment or as name: in the YAML file given with -c "
+                    "(precedence: defaults < file < environment < command line).",
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--version", action="version", version=f"forkserve {version}")
+    parser.add_argument("--check", action="store_true", default=False,
+                        help="validate the configuration and import the app, then exit "
+                             "(no binding, no forking)")
+    for s in SETTINGS:
+        if s.name == "app":
+            parser.add_argument("app", nargs="?", metavar=s.metavar, help=s.help)
+            continue
+        default_text = "" if s.default in (None, False) else f" [default: {_show(s.default)}]"
+        kwargs: dict[str, Any] = {"dest": s.name, "help": s.help + default_text}
+        if s.flag:
+            kwargs["action"] = "store_const"
+            kwargs["const"] = True
+        else:
+            kwargs["metavar"] = s.metavar
+            if s.repeatable:
+                kwargs["action"] = "append"
+        parser.add_argument(*s.flags, *s.aliases, **kwargs)
+    return parser
+
+
+def _show(value: Any) -> str:
+    return ", ".join(value) if isinstance(value, list) else str(value)
+
+
+def _apply(values: dict[str, Any], sources: dict[str, str], name: str, raw: Any, source: str) -> None:
+    setting = BY_NAME[name]
+    try:
+        values[name] = setting.parse(raw)
+    except ValueError as exc:
+        where = {"file": f"in the config file, {name}", "env": setting.env,
+                 "cli": (setting.flags or (name,))[-1]}[source]
+        raise ConfigError(f"{where}: {exc}") from None
+    sources[name] = source
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ConfigError(f"config file {path} is not valid YAML{where}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must be a mapping of setting: value")
+    unknown = sorted(str(k) for k in data if str(k).replace("-", "_") not in BY_NAME or k == "config")
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown setting(s): {', '.join(unknown)}")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def resolve(cli: dict[str, Any], environ: dict[str, str] | os._Environ[str]) -> Config:
+    """Merge defaults < YAML < environment < command line into a Config."""
+    values = {s.name: s.default for s in SETTINGS}
+    sources = {s.name: "default" for s in SETTINGS}
+    config_path = cli.get("config") or environ.get(BY_NAME["config"].env)
+    if config_path:
+        for name, raw in read_yaml(config_path).items():
+            _apply(values, sources, name, raw, "file")
+        values["config"] = config_path
+        sources["config"] = "cli" if "config" in cli else "env"
+    for s in SETTINGS:
+        if s.name != "config" and s.env in environ:
+            raw_env: Any = environ[s.env]
+            if s.repeatable:
+                raw_env = [part for part in raw_env.replace(",", " ").split() if part]
+            _apply(values, sources, s.name, raw_env, "env")
+    for name, raw in cli.items():
+        if name in BY_NAME and name != "config" and raw is not None:
+            _apply(values, sources, name, raw, "cli")
+    if values["app"] is None:
+        raise ConfigError("no application given: forkserve [options] MODULE:APP (see --help)")
+    return Config(values, sources)
+
+
+def unknown_env(environ: dict[str, str] | os._Environ[str]) -> list[str]:
+    known = {s.env for s in SETTINGS}
+    return sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
+
+
+def parse_args(argv: Sequence[str], version: str) -> tuple[dict[str, Any], bool]:
+    """Returns (cli values, check flag). Raises ConfigError on bad usage."""
+    ns = build_argparser(version).parse_args(list(argv))
+    cli = vars(ns)
+    check = bool(cli.pop("check", False))
+    return cli, check
+
+
+def reloadable_changes(old: Config, new: Config) -> Iterable[str]:
+    """Settings that differ between two configs but that a HUP cannot apply."""
+    return [s.name for s in SETTINGS
+            if not s.reloadable and old.values.get(s.name) != new.values.get(s.name)]
+
+
+__all__ = ["Config", "ConfigError", "SETTINGS", "Setting", "build_argparser", "parse_args",
+           "resolve", "read_yaml", "unknown_env", "reloadable_changes"]
+
+if __name__ == "__main__":  # pragma: no cover - a quick way to eyeball the generated help
+    build_argparser("dev").print_help(sys.stdout)

@@ -1,0 +1,212 @@
+"""Request parsing on httptools (llhttp): bytes in, events out.
+
+``RequestParser.feed(data)`` appends events to ``parser.events``, in order:
+a :class:`Request` (the head), zero or more ``bytes`` (body data, de-chunked), then ``END``.
+Pipelined requests simply follow in the same queue. Anything the server must refuse raises
+:class:`HTTPError` with the precise status, before the request can reach an application.
+
+llhttp already refuses the classic smuggling vectors (Transfer-Encoding with Content-Length,
+duplicate Content-Length, bare LF, obs-fold, invalid tokens); on top of it we enforce the
+size limits, a single Host on HTTP/1.1 (RFC 9112 §3.2), the HTTP version (505), and that the
+only transfer coding is ``chunked`` (RFC 9112 §6.1: 501 for codings we do not implement).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Union
+
+import httptools
+
+from forkserve.http.errors import HTTPError
+
+END: Any = type("END", (), {"__repr__": lambda self: "END"})()
+
+
+@dataclass(frozen=True)
+class Limits:
+    request_line: int = 8190
+    fields: int = 100
+    field_size: int = 8190
+    body: int = 0  # 0: no limit
+
+    @property
+    def head(self) -> int:
+        # The most a complete head may take: line, fields with ": " and CRLFs, final CRLF.
+        return self.request_line + 2 + self.fields * (self.field_size + 4) + 2
+
+
+class Request:
+    """The head of one request. Bytes stay bytes: the WSGI layer decides their encoding."""
+
+    __slots__ = ("method", "target", "path", "query", "version", "headers", "keep_alive",
+                 "content_length", "chunked", "expect_continue", "upgrade")
+
+    def __init__(self, method: str, target: bytes, version: str, headers: list[tuple[bytes, bytes]],
+                 keep_alive: bool, content_length: int | None, chunked: bool,
+                 expect_continue: bool) -> None:
+        self.method = method
+        self.target = target
+        self.version = version
+        self.headers = headers
+        self.keep_alive = keep_alive
+        self.content_length = content_length
+        self.chunked = chunked
+        self.expect_continue = expect_continue
+        self.upgrade = False
+        if target[:1] == b"/":
+            path, _, query = target.partition(b"?")
+        elif target == b"*":
+            path, query = b"*", b""
+        else:
+            # absolute-form (RFC 9112 §3.2.2): take path and query, the authority is Host's.
+            try:
+                url = httptools.parse_url(target)
+            except httptools.HttpParserInvalidURLError:
+                raise HTTPError(400, "Bad request target") from None
+            path, query = url.path or b"/", url.query or b""
+        self.path = path.partition(b"#")[0]
+        self.query = query.partition(b"#")[0]
+
+    @property
+    def has_body(self) -> bool:
+        return self.chunked or bool(self.content_length)
+
+    def __repr__(self) -> str:
+        return f"<Request {self.method} {self.target!r} HTTP/{self.version}>"
+
+
+Event = Union[Request, bytes, Any]
+
+
+class RequestParser:
+    """Feeds llhttp and turns its callbacks into a queue of events."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.events: deque[Event] = deque()
+        self._parser = httptools.HttpRequestParser(self)
+        self._in_head = False
+        self._head_bytes = 0
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._field_bytes = 0
+        self._content_length: int | None = None
+        self._te: bytes | None = None
+        self._hosts = 0
+        self._expect = False
+        self._body_bytes = 0
+        self._upgraded = False
+
+    # -- input -------------------------------------------------------------------------
+    def feed(self, data: bytes) -> None:
+        if self._upgraded:
+            # After an Upgrade/CONNECT the bytes belong to another protocol we do not speak;
+            # the connection closes after the response, so they are dropped.
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            # Our callbacks raise HTTPError for limits; llhttp wraps it, we unwrap it.
+            cause = exc.__context__
+            if isinstance(cause, HTTPError):
+                raise cause from None
+            raise
+        except httptools.HttpParserUpgrade:
+            self._upgraded = True
+            heads = [event for event in self.events if isinstance(event, Request)]
+            if heads:
+                heads[-1].upgrade = True
+                heads[-1].keep_alive = False
+            return
+        except httptools.HttpParserInvalidMethodError:
+            raise HTTPError(501, "Method not implemented") from None
+        except httptools.HttpParserInvalidURLError:
+            raise HTTPError(400, "Bad request target") from None
+        except httptools.HttpParserError as exc:
+            raise HTTPError(400, _reason(exc)) from None
+        if self._in_head:
+            # Counted per feed while a head is incomplete: may over-count by the bytes of an
+            # earlier pipelined request in the same chunk, never under-count.
+            self._head_bytes += len(data)
+            if self._head_bytes <= self.limits.head:
+                return
+            if not self._headers:
+                raise HTTPError(414, "Request line too long")
+            raise HTTPError(431, "Request header fields too large")
+
+    # -- llhttp callbacks (called from inside feed_data) -----------------------------------
+    def on_message_begin(self) -> None:
+        self._in_head = True
+        self._head_bytes = 0
+        self._url = b""
+        self._headers = []
+        self._field_bytes = 0
+        self._content_length = None
+        self._te = None
+        self._hosts = 0
+        self._expect = False
+        self._body_bytes = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        if len(self._url) > self.limits.request_line:
+            raise HTTPError(414, "Request line too long")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_head:
+            return  # a chunked trailer field: not passed on to WSGI
+        headers = self._headers
+        if len(headers) >= self.limits.fields:
+            raise HTTPError(431, "Too many request header fields")
+        if len(name) + len(value) > self.limits.field_size:
+            raise HTTPError(431, "Request header field too large")
+        headers.append((name, value))
+        lname = name.lower()
+        if lname == b"content-length":
+            self._content_length = int(value)
+        elif lname == b"transfer-encoding":
+            self._te = value if self._te is None else self._te + b"," + value
+        elif lname == b"host":
+            self._hosts += 1
+        elif lname == b"expect":
+            self._expect = value.strip().lower() == b"100-continue"
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        parser = self._parser
+        version = parser.get_http_version()
+        if version not in ("1.1", "1.0"):
+            raise HTTPError(505, "HTTP version not supported")
+        if self._hosts > 1 or (self._hosts == 0 and version == "1.1"):
+            raise HTTPError(400, "A request needs exactly one Host header")
+        chunked = False
+        if self._te is not None:
+            codings = [c.strip().lower() for c in self._te.split(b",") if c.strip()]
+            if codings != [b"chunked"]:
+                raise HTTPError(501, "Transfer coding not implemented")
+            chunked = True
+        limit = self.limits.body
+        if limit and self._content_length is not None and self._content_length > limit:
+            raise HTTPError(413, "Request body too large")
+        self.events.append(Request(
+            parser.get_method().decode("ascii"), self._url, version, self._headers,
+            parser.should_keep_alive(), self._content_length, chunked,
+            self._expect and version == "1.1"))
+
+    def on_body(self, body: bytes) -> None:
+        limit = self.limits.body
+        if limit:
+            self._body_bytes += len(body)
+            if self._body_bytes > limit:
+                raise HTTPError(413, "Request body too large")
+        self.events.append(body)
+
+    def on_message_complete(self) -> None:
+        self.events.append(END)
+
+
+def _reason(exc: Exception) -> str:
+    text = str(exc).strip() or "Bad request"
+    return text[:1].upper() + text[1:]

@@ -1,0 +1,96 @@
+"""Response framing: status lines, header validation, chunk framing, the Date header.
+
+Pure functions over bytes; no sockets, no WSGI.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from email.utils import formatdate
+from http import HTTPStatus
+
+SERVER = b"forkserve"
+
+# RFC 9110 §5.1 token characters for field names; values may not hold CR, LF or NUL.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
+_BAD_VALUE = re.compile(r"[\r\n\x00]")
+
+# Hop-by-hop headers (RFC 9110 §7.6.1) belong to the server, not to a WSGI app (PEP 3333).
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
+                        "te", "trailer", "transfer-encoding", "upgrade"})
+
+# Statuses that never carry a body (RFC 9110 §6.4.1).
+NO_BODY_STATUS = frozenset({204, 304})
+
+
+def reason_phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Unknown"
+
+
+class DateCache:
+    """The ``Date`` header value, formatted at most once a second."""
+
+    __slots__ = ("_second", "_value")
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._value = b""
+
+    def get(self) -> bytes:
+        now = time.time()
+        second = int(now)
+        if second != self._second:
+            self._second = second
+            self._value = formatdate(now, usegmt=True).encode("ascii")
+        return self._value
+
+
+def check_header(name: object, value: object) -> None:
+    """Raise ValueError for a header a WSGI app must not send (PEP 3333, no injection)."""
+    if type(name) is not str or type(value) is not str:
+        raise TypeError(f"header name and value must be str, got {name!r}: {value!r}")
+    if not _TOKEN.match(name):
+        raise ValueError(f"invalid header name {name!r}")
+    if _BAD_VALUE.search(value):
+        raise ValueError(f"invalid header value for {name!r}: CR, LF and NUL are not allowed")
+
+
+def parse_status(status: object) -> int:
+    """'200 OK' -> 200; ValueError for anything PEP 3333 does not allow."""
+    if type(status) is not str:
+        raise TypeError(f"status must be str, got {status!r}")
+    code = status[:3]
+    if len(status) < 4 or status[3] != " " or not code.isdigit() or _BAD_VALUE.search(status):
+        raise ValueError(f"invalid status {status!r}: expected e.g. '200 OK'")
+    number = int(code)
+    if number < 100:
+        raise ValueError(f"invalid status code {number}")
+    return number
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+LAST_CHUNK = b"0\r\n\r\n"
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def simple_response(status: int, reason: str, dates: DateCache, body: bytes | None = None,
+                    close: bool = True, extra: bytes = b"") -> bytes:
+    """A complete small response the server writes itself (errors: 400, 500, 503 ...)."""
+    if body is None:
+        body = f"{status} {reason}\n".encode("latin-1")
+    return b"".join((
+        b"HTTP/1.1 %d %s\r\n" % (status, reason.encode("latin-1")),
+        b"Date: ", dates.get(), b"\r\nServer: ", SERVER,
+        b"\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n" % len(body),
+        b"Connection: close\r\n" if close else b"",
+        extra,
+        b"\r\n",
+        body,
+    ))

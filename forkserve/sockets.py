@@ -1,0 +1,144 @@
+"""Listening sockets: bind TCP (IPv4/IPv6) and unix addresses, or adopt inherited fds.
+
+Owns: turning ``--bind`` values into listening sockets and describing them. Imports only the
+standard library.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+from dataclasses import dataclass
+
+
+class BindError(Exception):
+    """An address that cannot be listened on: one line, exit code 1."""
+
+
+@dataclass
+class Listener:
+    sock: socket.socket
+    address: str  # as configured: 127.0.0.1:8000, [::1]:8000, unix:/path, fd://3
+    unix_path: str | None = None
+
+    @property
+    def fd(self) -> int:
+        return self.sock.fileno()
+
+    def name(self) -> str:
+        """The real address, with the port the kernel chose for port 0."""
+        if self.unix_path is not None:
+            return f"unix:{self.unix_path}"
+        host, port = self.sock.getsockname()[:2]
+        if self.sock.family == socket.AF_INET6:
+            return f"[{host}]:{port}"
+        return f"{host}:{port}"
+
+    def server_name_port(self) -> tuple[str, str]:
+        if self.unix_path is not None or self.sock.family == socket.AF_UNIX:
+            return "localhost", "0"
+        host, port = self.sock.getsockname()[:2]
+        return host, str(port)
+
+    def close(self, unlink: bool = False) -> None:
+        self.sock.close()
+        if unlink and self.unix_path:
+            try:
+                os.unlink(self.unix_path)
+            except FileNotFoundError:
+                return
+
+
+def _tcp(host: str, port: int, backlog: int) -> socket.socket:
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise BindError(f"cannot resolve {host!r}: {exc.strerror}") from None
+    family, kind, proto, _, sockaddr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        # Accepted sockets inherit TCP_NODELAY on Linux: one setsockopt here instead of one
+        # per connection. A response is written in one send, so Nagle only ever hurts.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind(sockaddr)
+        sock.listen(backlog)
+    except OSError as exc:
+        sock.close()
+        raise BindError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def _unix(path: str, backlog: int) -> socket.socket:
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = 0
+    if mode and stat.S_ISSOCK(mode):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            os.unlink(path)  # a stale socket file left by a process that died
+        except OSError as exc:
+            if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                raise BindError(f"cannot listen on unix:{path}: {exc.strerror}") from None
+        else:
+            probe.close()
+            raise BindError(f"cannot listen on unix:{path}: another server is listening there")
+        finally:
+            probe.close()
+    elif mode:
+        raise BindError(f"cannot listen on unix:{path}: the path exists and is not a socket")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        sock.listen(backlog)
+    except OSError as exc:
+        sock.close()
+        raise BindError(f"cannot listen on unix:{path}: {exc.strerror}") from None
+    return sock
+
+
+def _adopt(fd: int) -> socket.socket:
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        raise BindError(f"fd://{fd} is not a usable socket: {exc.strerror}") from None
+    if sock.type != socket.SOCK_STREAM:
+        raise BindError(f"fd://{fd} is not a stream socket")
+    try:
+        listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    except OSError:
+        listening = 0
+    if not listening:
+        raise BindError(f"fd://{fd} is not a listening socket")
+    os.set_inheritable(fd, False)
+    return sock
+
+
+def bind(addresses: list[str], backlog: int) -> list[Listener]:
+    listeners: list[Listener] = []
+    try:
+        for address in addresses:
+            if address.startswith("unix:"):
+                path = os.path.abspath(address[5:])
+                listeners.append(Listener(_unix(path, backlog), address, path))
+            elif address.startswith("fd://"):
+                listeners.append(Listener(_adopt(int(address[5:])), address))
+            else:
+                host, _, port = address.rpartition(":")
+                listeners.append(Listener(_tcp(host, int(port), backlog), address))
+    except BindError:
+        for listener in listeners:
+            listener.close(unlink=True)
+        raise
+    for listener in listeners:
+        listener.sock.setblocking(False)
+    return listeners

@@ -1,0 +1,222 @@
+"""The worker process's runtime: what every worker class does after fork.
+
+Owns: post-fork reset (signals, fds, process title), loading the app, the BOOTED record and
+heartbeats on the counter pipe, noticing the arbiter's death (EOF on an inherited pipe), the
+worker's own states, telemetry flushing and the exit path. Subclasses implement ``serve()``.
+
+Must not import the arbiter: a worker knows the arbiter only through the counter pipe (up)
+and signals (down).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import random
+import signal
+import sys
+import time
+from typing import Any, Callable
+
+from forkserve import signals as sigs
+from forkserve.counters import ExitCode, Kind, Writer
+from forkserve.http import Limits
+from forkserve.loader import AppLoadError, load_app
+from forkserve.logs import Log
+from forkserve.sockets import Listener
+from forkserve.telemetry import AccessLog
+
+
+class WorkerState(enum.Enum):
+    BOOTING = "booting"
+    RUNNING = "running"
+    STOPPING = "stopping"  # TERM, arbiter gone, or retiring: finish the current request, leave
+    HALTING = "halting"  # QUIT/INT: leave now
+
+
+class HardStop(BaseException):
+    """Raised inside a live request when the worker must stop at once (QUIT, or the arbiter's
+    timeout kill via SIGABRT). A BaseException so that ``except Exception`` in apps does not
+    swallow it."""
+
+
+WORKER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGABRT,
+                  signal.SIGHUP, signal.SIGUSR2, signal.SIGTTIN, signal.SIGTTOU)
+
+
+class WorkerSettings:
+    """What a worker needs of the configuration, read once at spawn."""
+
+    def __init__(self, config: Any) -> None:
+        self.app_spec: str = config.app
+        self.keepalive: float = config.keepalive
+        self.header_timeout: float = config.header_timeout
+        self.timeout: float = config.timeout
+        self.max_requests: int = config.max_requests
+        self.max_requests_jitter: int = config.max_requests_jitter
+        self.access_log: str | None = config.access_log
+        self.limits = Limits(config.limit_request_line, config.limit_request_fields,
+                             config.limit_request_field_size, config.limit_request_body)
+
+
+class Worker:
+    """The child's runtime. ``WorkerHandle`` in the arbiter is the parent's view of it."""
+
+    def __init__(self, worker_id: int, generation: int, settings: WorkerSettings,
+                 listeners: list[Listener], counter_fd: int, alive_fd: int, log: Log,
+                 app: Callable[..., Any] | None, close_fds: list[int]) -> None:
+        self.worker_id = worker_id
+        self.generation = generation
+        self.settings = settings
+        self.listeners = listeners
+        self.alive_fd = alive_fd
+        self.log = log
+        self.app = app
+        self.close_fds = close_fds
+        self.counters = Writer(counter_fd, worker_id)
+        self.state = WorkerState.BOOTING
+        self.access_log: AccessLog | None = None
+        self.in_request = False
+        self.timed_out = False
+        self.retire_reason = ""
+        # Heartbeats: often enough that the arbiter's timeout has several to see.
+        self.heartbeat_interval = min(1.0, settings.timeout / 4) if settings.timeout else 1.0
+        self.next_heartbeat = 0.0
+        limit = settings.max_requests
+        if limit and settings.max_requests_jitter:
+            limit += random.randint(0, settings.max_requests_jitter)
+        self.max_requests = limit
+        self.wakeup_r = self.wakeup_w = -1
+
+    # -- the child's life ----------------------------------------------------------------
+    def run_child(self) -> None:
+        """Entered right after fork in the child; never returns."""
+        code = ExitCode.OK
+        try:
+            self._post_fork()
+            if not self._boot():
+                code = ExitCode.APP_LOAD_ERROR
+            else:
+                if self.state is WorkerState.BOOTING:
+                    self.state = WorkerState.RUNNING
+                self.serve()
+        except HardStop as exc:
+            if self.timed_out:
+                # The traceback of HardStop is where the worker was stuck: worth a look.
+                self.log.exception(f"Worker {self.worker_id} stopped by the arbiter's timeout", exc)
+                code = ExitCode.ERROR
+            else:
+                code = ExitCode.OK
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else ExitCode.ERROR
+        except BaseException as exc:  # the last line of defence: log it, never a silent death
+            self.log.exception(f"Worker {self.worker_id} crashed", exc)
+            code = ExitCode.ERROR
+        finally:
+            self._flush_telemetry()
+        os._exit(code)
+
+    def _post_fork(self) -> None:
+        sigs.reset_in_child(WORKER_SIGNALS + (signal.SIGCHLD,))
+        for fd in self.close_fds:
+            try:
+                os.close(fd)
+            except OSError:
+                continue
+        self.wakeup_r, self.wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(self.wakeup_w, warn_on_full_buffer=False)
+        handlers = {
+            signal.SIGTERM: self._on_graceful,
+            signal.SIGINT: self._on_hard,
+            signal.SIGQUIT: self._on_hard,
+            signal.SIGABRT: self._on_abort,
+            signal.SIGUSR1: self._on_record,
+        }
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        for signum in (signal.SIGHUP, signal.SIGUSR2, signal.SIGTTIN, signal.SIGTTOU):
+            signal.signal(signum, signal.SIG_IGN)  # the arbiter's signals, not ours
+        sigs.unblock()
+        self.counters.pid = os.getpid()
+        _set_title(f"forkserve: worker {self.worker_id} [{self.settings.app_spec}]")
+        if self.settings.access_log:
+            self.access_log = AccessLog(self.settings.access_log)
+
+    def _boot(self) -> bool:
+        if self.app is None:
+            try:
+                self.app = load_app(self.settings.app_spec)
+            except AppLoadError as exc:
+                self.counters.send(Kind.BOOT_ERROR, str(exc))
+                if self.log.enabled(10) and exc.__cause__ is not None:
+                    self.log.exception("Application load failed", exc.__cause__)
+                return False
+        self.counters.send(Kind.BOOTED)
+        self.next_heartbeat = time.monotonic() + self.heartbeat_interval
+        return True
+
+    def serve(self) -> None:
+        raise NotImplementedError
+
+    # -- signal handlers ------------------------------------------------------------------
+    # -- runs in a signal handler: record only (the wakeup fd wakes the loop). The single
+    # exception is HardStop, raised only while a request is live, like a cancellation.
+    def _on_graceful(self, signum: int, frame: Any) -> None:
+        if self.state in (WorkerState.BOOTING, WorkerState.RUNNING):
+            self.state = WorkerState.STOPPING
+
+    def _on_hard(self, signum: int, frame: Any) -> None:
+        self.state = WorkerState.HALTING
+        if self.in_request:
+            raise HardStop("hard stop requested")
+
+    def _on_abort(self, signum: int, frame: Any) -> None:
+        self.state = WorkerState.HALTING
+        self.timed_out = True
+        raise HardStop("killed by the arbiter: no heartbeat within --timeout")
+
+    def _on_record(self, signum: int, frame: Any) -> None:
+        return None  # USR1: the loop reads it from the wakeup fd and reopens the logs
+
+    # -- the loop's helpers ---------------------------------------------------------------
+    def handle_wakeups(self) -> None:
+        """Read the signal numbers from the wakeup pipe and act on those the loop handles."""
+        while True:
+            try:
+                data = os.read(self.wakeup_r, 64)
+            except BlockingIOError:
+                return
+            if signal.SIGUSR1 in data:
+                self.log.reopen()
+                if self.access_log is not None:
+                    self.access_log.reopen()
+
+    def arbiter_gone(self) -> None:
+        if self.state is WorkerState.RUNNING:
+            self.state = WorkerState.STOPPING
+            self.log.warning("Arbiter is gone; worker stopping", worker=self.worker_id)
+
+    def heartbeat(self, now: float) -> None:
+        self.next_heartbeat = now + self.heartbeat_interval
+        self.counters.snapshot()
+
+    def request_done(self) -> None:
+        counters = self.counters
+        counters.requests_served += 1
+        if self.max_requests and counters.requests_served >= self.max_requests:
+            if self.state is WorkerState.RUNNING:
+                self.state = WorkerState.STOPPING
+                self.retire_reason = "max-requests"
+                counters.send(Kind.RETIRING, f"served {counters.requests_served} requests (max-requests)")
+
+    def _flush_telemetry(self) -> None:
+        if self.access_log is not None:
+            self.access_log.close()
+
+
+def _set_title(title: str) -> None:
+    try:
+        from setproctitle import setproctitle
+    except ImportError:
+        return  # titles are a convenience; the server works without them
+    setproctitle(title)

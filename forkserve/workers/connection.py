@@ -1,0 +1,227 @@
+"""One client connection in a worker: non-blocking socket I/O with deadlines, the parser, and
+the transport that :mod:`forkserve.wsgi` writes through.
+
+The socket is non-blocking and every read or write is tried first and polled only when the
+kernel says EAGAIN: a ready socket costs one syscall, not a poll plus the call (which is what
+``socket.settimeout`` does in CPython). Deadlines are absolute ``time.monotonic()`` values.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import time
+from typing import TYPE_CHECKING
+
+from forkserve.http import END, HTTPError, Limits, Request, RequestParser
+from forkserve.http.response import CONTINUE
+from forkserve.wsgi import ClientGone
+
+if TYPE_CHECKING:
+    from forkserve.wsgi import Exchange
+
+RECV_SIZE = 65536
+# After a response, at most this much of a body the app did not read is read and dropped to
+# keep the connection; a larger rest costs less to the client as a reconnect.
+DISCARD_LIMIT = 65536
+
+
+class Timeout(Exception):
+    """The client did not send (or take) data before the deadline."""
+
+
+class Connection:
+    __slots__ = ("sock", "fd", "remote", "parser", "events", "io_timeout", "exchange",
+                 "continue_sent", "received", "_poll", "closed", "should_close")
+
+    def __init__(self, sock: socket.socket, remote: tuple[str, str], limits: Limits,
+                 io_timeout: float) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.remote = remote
+        self.parser = RequestParser(limits)
+        self.events = self.parser.events
+        self.io_timeout = io_timeout
+        self.exchange: Exchange | None = None
+        self.continue_sent = False
+        self.received = False  # any byte of the current request head seen
+        self._poll: select.poll | None = None
+        self.closed = False
+        self.should_close = _never
+
+    # -- waiting -------------------------------------------------------------------------
+    def _wait(self, flag: int, deadline: float) -> None:
+        poller = self._poll
+        if poller is None:
+            poller = self._poll = select.poll()
+            poller.register(self.fd, select.POLLIN)
+        poller.modify(self.fd, flag)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Timeout()
+            if poller.poll(remaining * 1000.0 + 1):
+                return
+
+    # -- reading -------------------------------------------------------------------------
+    def recv(self, deadline: float) -> bool:
+        """Read once and feed the parser. False at EOF. Raises Timeout, HTTPError."""
+        while True:
+            try:
+                data = self.sock.recv(RECV_SIZE)
+            except BlockingIOError:
+                self._wait(select.POLLIN, deadline)
+                continue
+            except (ConnectionResetError, ConnectionAbortedError):
+                return False
+            if not data:
+                return False
+            self.received = True
+            self.parser.feed(data)
+            return True
+
+    def read_head(self, deadline: float) -> Request | None:
+        """The next request's head, or None when the client closed before sending one."""
+        events = self.events
+        self.received = bool(events)
+        while not events:
+            if not self.recv(deadline):
+                return None
+        head = events.popleft()
+        self.continue_sent = False
+        return head  # type: ignore[no-any-return]
+
+    def read_body(self) -> bytes:
+        """Transport for wsgi.input: the next piece of the body, b"" at its end."""
+        events = self.events
+        while True:
+            if events:
+                event = events[0]
+                if event is END:
+                    return b""  # left in place: discard_body() sees the request ended
+                events.popleft()
+                return event  # type: ignore[no-any-return]
+            if not self.continue_sent:
+                exchange = self.exchange
+                if exchange is not None and exchange.request.expect_continue and not exchange.headers_sent:
+                    self.send(CONTINUE)
+                self.continue_sent = True
+            if not self.recv(time.monotonic() + self.io_timeout):
+                raise ClientGone("the client closed the connection during the request body")
+
+    def body_pending(self) -> bool:
+        """True while the current request's body has not been read to its end."""
+        events = self.events
+        return not events or events[0] is not END
+
+    def discard_body(self, request: Request) -> bool:
+        """Drop what is left of the body; False when the connection cannot be reused."""
+        events = self.events
+        if not request.has_body:
+            if events and events[0] is END:
+                events.popleft()
+            return True
+        if request.expect_continue and not self.continue_sent:
+            return False  # we never asked for the body: the client may or may not send it
+        dropped = 0
+        deadline = time.monotonic() + min(self.io_timeout, 1.0)
+        while True:
+            while events:
+                event = events.popleft()
+                if event is END:
+                    return True
+                dropped += len(event)
+            if dropped > DISCARD_LIMIT:
+                return False
+            try:
+                if not self.recv(deadline):
+                    return False
+            except (Timeout, HTTPError):
+                return False
+
+    # -- writing -------------------------------------------------------------------------
+    def send(self, data: bytes) -> None:
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
+            raise ClientGone(str(exc)) from None
+        if sent == len(data):
+            return
+        view = memoryview(data)[sent:]
+        deadline = time.monotonic() + self.io_timeout
+        while view:
+            try:
+                sent = self.sock.send(view)
+            except BlockingIOError:
+                try:
+                    self._wait(select.POLLOUT, deadline)
+                except Timeout:
+                    raise ClientGone("the client stopped reading the response") from None
+                deadline = time.monotonic() + self.io_timeout
+                continue
+            except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
+                raise ClientGone(str(exc)) from None
+            view = view[sent:]
+
+    def sendfile(self, fileno: int, offset: int, count: int) -> int:
+        total = 0
+        deadline = time.monotonic() + self.io_timeout
+        while total < count:
+            try:
+                sent = os.sendfile(self.fd, fileno, offset + total, count - total)
+            except BlockingIOError:
+                try:
+                    self._wait(select.POLLOUT, deadline)
+                except Timeout:
+                    raise ClientGone("the client stopped reading the response") from None
+                deadline = time.monotonic() + self.io_timeout
+                continue
+            except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
+                raise ClientGone(str(exc)) from None
+            if sent == 0:
+                break  # the file is shorter than it was: stop, the length check closes
+            total += sent
+        return total
+
+    def close(self, linger: bool = False) -> None:
+        """Close; with ``linger``, first half-close and drain what the client still sends.
+
+        Closing a socket with unread input makes the kernel send RST, and a client that gets
+        RST may drop the response it had not yet read (the 400 or 413 it needs to see). So on
+        error paths we shut our side down, read and drop for a moment, then close, as Apache's
+        lingering close does.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if linger:
+                self._linger()
+            self.sock.close()
+        except OSError:
+            return
+
+    def _linger(self) -> None:
+        self.sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + 1.0
+        dropped = 0
+        while dropped < 4 * RECV_SIZE:
+            try:
+                data = self.sock.recv(RECV_SIZE)
+            except BlockingIOError:
+                try:
+                    self._wait(select.POLLIN, deadline)
+                except Timeout:
+                    return
+                continue
+            if not data:
+                return
+            dropped += len(data)
+
+
+def _never() -> bool:
+    return False

@@ -1,0 +1,257 @@
+"""The sync worker: one connection at a time, keep-alive without starving anyone.
+
+A sync worker keeps a connection alive only while no other client waits in the accept queue:
+before each response head it polls the listeners with a zero timeout, and if someone is
+waiting the response carries ``Connection: close``; while it holds an idle keep-alive
+connection it also watches the listeners, and if it accepts a newcomer it closes the idle
+connection and serves the newcomer. So 50 keep-alive clients on 2 workers never wait for
+each other's idle timeout (uWSGI's http11-socket does make them wait).
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+from typing import Any
+
+from forkserve.http import HTTPError, Request
+from forkserve.http.response import DateCache, reason_phrase, simple_response
+from forkserve.sockets import Listener
+from forkserve.workers.base import Worker, WorkerState
+from forkserve.workers.connection import Connection, Timeout
+from forkserve.wsgi import (ClientGone, ErrorStream, Exchange, FileWrapper, HeaderKeys, Input,
+                            base_environ, build_environ)
+
+POLLIN = select.POLLIN
+RUNNING = WorkerState.RUNNING
+
+
+class SyncWorker(Worker):
+    def serve(self) -> None:
+        self.dates = DateCache()
+        self.keys = HeaderKeys()
+        errors = ErrorStream(lambda: self.log.fd)
+        self.environs = {}
+        for listener in self.listeners:
+            name, port = listener.server_name_port()
+            self.environs[listener.fd] = base_environ(name, port, errors)
+        self.pending: tuple[socket.socket, Any, Listener] | None = None
+        # The listeners alone: the zero-timeout "is anyone waiting?" check.
+        self.waiting_poll = select.poll()
+        # Everything that can end a wait: listeners, signals, the arbiter's death.
+        self.main_poll = select.poll()
+        for listener in self.listeners:
+            self.waiting_poll.register(listener.fd, POLLIN)
+            self.main_poll.register(listener.fd, POLLIN)
+        self.main_poll.register(self.wakeup_r, POLLIN)
+        self.main_poll.register(self.alive_fd, POLLIN)
+        self.listener_fds = {listener.fd: listener for listener in self.listeners}
+        try:
+            self._loop()
+        finally:
+            for listener in self.listeners:
+                listener.sock.close()
+
+    def _loop(self) -> None:
+        heartbeat_ms = self.heartbeat_interval * 1000.0
+        while self.state is RUNNING:
+            accepted = self.pending or self._accept()
+            self.pending = None
+            if accepted is not None:
+                self._handle(*accepted)
+                continue
+            self._idle()
+            for fd, _ in self.main_poll.poll(heartbeat_ms):
+                self._wake(fd)
+
+    def _idle(self) -> None:
+        """About to wait for work: write out telemetry, send a heartbeat if one is due."""
+        if self.access_log is not None:
+            self.access_log.flush()
+        now = time.monotonic()
+        if now >= self.next_heartbeat:
+            self.heartbeat(now)
+
+    def _wake(self, fd: int) -> None:
+        if fd == self.wakeup_r:
+            self.handle_wakeups()
+        elif fd == self.alive_fd:
+            self.arbiter_gone()
+
+    def _accept(self) -> tuple[socket.socket, Any, Listener] | None:
+        for listener in self.listeners:
+            try:
+                sock, addr = listener.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError as exc:
+                # ECONNABORTED, EMFILE...: log and go on; the listener stays usable.
+                self.log.warning("accept() failed", error=exc.strerror, worker=self.worker_id)
+                continue
+            return sock, addr, listener
+        return None
+
+    def _should_close(self) -> bool:
+        """Asked as a response head is written: close rather than keep this client alive?"""
+        return self.state is not RUNNING or bool(self.waiting_poll.poll(0))
+
+    # -- one connection --------------------------------------------------------------------
+    def _handle(self, sock: socket.socket, addr: Any, listener: Listener) -> None:
+        settings = self.settings
+        if isinstance(addr, tuple):
+            remote = (addr[0], str(addr[1]))
+        else:
+            remote = ("127.0.0.1", "0")  # unix socket peers have no address
+        conn = Connection(sock, remote, settings.limits, settings.header_timeout)
+        conn.should_close = self._should_close
+        base = self.environs[listener.fd]
+        counters = self.counters
+        counters.active_connections += 1
+        linger = False
+        try:
+            while True:
+                try:
+                    request = conn.read_head(time.monotonic() + settings.header_timeout)
+                except HTTPError as exc:
+                    self._refuse(conn, exc.status, exc.reason)
+                    linger = True
+                    return
+                except Timeout:
+                    if conn.received:
+                        self._refuse(conn, 408, "Request Timeout")
+                    return
+                if request is None:
+                    return
+                keep = self._serve(conn, request, base)
+                if not keep or self.state is not RUNNING:
+                    linger = conn.body_pending()
+                    return
+                if conn.events:
+                    continue  # a pipelined request is already here
+                if not self._wait_idle(conn):
+                    return
+        except ClientGone:
+            return
+        finally:
+            conn.close(linger)
+            counters.active_connections -= 1
+
+    def _wait_idle(self, conn: Connection) -> bool:
+        """Between requests on a kept-alive connection. True when the client sent more."""
+        keepalive = self.settings.keepalive
+        if keepalive <= 0:
+            return False
+        poller = self.main_poll
+        poller.register(conn.fd, POLLIN)
+        try:
+            deadline = time.monotonic() + keepalive
+            while self.state is RUNNING:
+                self._idle()
+                now = time.monotonic()
+                if now >= deadline:
+                    return False
+                ready = poller.poll(min(deadline - now, self.heartbeat_interval) * 1000.0 + 1)
+                if not ready:
+                    continue
+                fds = [fd for fd, _ in ready]
+                if conn.fd in fds:
+                    return True
+                for fd in fds:
+                    if fd in self.listener_fds:
+                        accepted = self._accept()
+                        if accepted is not None:
+                            # Someone else waits: give the worker to them. The idle client
+                            # sees a close, as after any keep-alive timeout, and reconnects.
+                            self.pending = accepted
+                            return False
+                    else:
+                        self._wake(fd)
+            return False
+        finally:
+            poller.unregister(conn.fd)
+
+    def _refuse(self, conn: Connection, status: int, reason: str) -> None:
+        """A request the server answers itself: it never reaches the application."""
+        try:
+            conn.send(simple_response(status, reason_phrase(status), self.dates,
+                                      body=f"{status} {reason}\n".encode("utf-8", "replace")))
+        except ClientGone:
+            return
+        if self.access_log is not None:
+            now = time.time()
+            self.access_log.request(conn.remote[0], "-", "-", "-", status, 0, None, None, now, 0.0)
+
+    # -- one request -------------------------------------------------------------------------
+    def _serve(self, conn: Connection, request: Request, base: dict[str, Any]) -> bool:
+        """Run the app for one request. True when the connection may serve another."""
+        access_log = self.access_log
+        started = time.time() if access_log is not None else 0.0
+        counters = self.counters
+        counters.in_flight_requests += 1
+        exchange = Exchange(conn, request, self.dates)
+        conn.exchange = exchange
+        wsgi_input = Input(conn if request.has_body else None)
+        environ = build_environ(request, base, self.keys, conn.remote, wsgi_input)
+        status = 0
+        keep = False
+        self.in_request = True
+        try:
+            keep = self._run_app(conn, exchange, environ)
+            status = exchange.status_code
+        except ClientGone:
+            status = exchange.status_code or 499
+        except HTTPError as exc:  # from wsgi.input: a body over --limit-request-body
+            status = self._fail(conn, exchange, exc.status, exc.reason, None)
+        except Exception as exc:
+            status = self._fail(conn, exchange, 500, "Internal Server Error", exc)
+        finally:
+            self.in_request = False
+            counters.in_flight_requests -= 1
+            conn.exchange = None
+        self.request_done()
+        if access_log is not None:
+            access_log.request(
+                conn.remote[0], request.method, environ["RAW_URI"], environ["SERVER_PROTOCOL"],
+                status, exchange.sent, environ.get("HTTP_REFERER"), environ.get("HTTP_USER_AGENT"),
+                started, time.time() - started)
+        now = time.monotonic()
+        if now >= self.next_heartbeat:
+            self.heartbeat(now)
+        return keep and conn.discard_body(request)
+
+    def _run_app(self, conn: Connection, exchange: Exchange, environ: dict[str, Any]) -> bool:
+        result = self.app(environ, exchange.start_response)  # type: ignore[misc]
+        try:
+            kind = type(result)
+            if (kind is list or kind is tuple) and len(result) == 1 and type(result[0]) is bytes:
+                exchange.send_whole(result[0])  # the hello-world path: one send in all
+            elif kind is FileWrapper and exchange.send_file(result):
+                pass
+            else:
+                write = exchange.write
+                for data in result:
+                    write(data)
+                exchange.finish()
+        finally:
+            close = getattr(result, "close", None)
+            if close is not None:
+                close()
+        return not exchange.close
+
+    def _fail(self, conn: Connection, exchange: Exchange, status: int, reason: str,
+              exc: BaseException | None) -> int:
+        """The app (or its request body) failed: a clean error response if none started."""
+        if exc is not None:
+            request = exchange.request
+            self.log.exception(f"Error handling request {request.method} "
+                               f"{request.target.decode('latin-1')}", exc, worker=self.worker_id)
+        if exchange.headers_sent:
+            exchange.close = True  # the client sees a truncated response, never a wrong one
+            return exchange.status_code
+        try:
+            conn.send(simple_response(status, reason_phrase(status), self.dates))
+        except ClientGone:
+            return status
+        exchange.close = True
+        return status

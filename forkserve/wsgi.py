@@ -1,0 +1,425 @@
+"""PEP 3333: the environ, ``wsgi.input``, ``start_response`` and response framing.
+
+Owns: turning a parsed :class:`~forkserve.http.Request` into an environ, running the app's
+iterable, and framing what it yields (Content-Length, chunked, close-delimited; nothing for
+HEAD, 1xx, 204, 304). It talks to the connection only through a small *transport* object
+(``send``, ``sendfile``, ``read_body``, ``should_close``), so it imports no sockets and no
+workers.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import Any, Callable, Iterable, Protocol
+from urllib.parse import unquote_to_bytes
+
+from forkserve.http import HTTPError, Request
+from forkserve.http.response import (HOP_BY_HOP, LAST_CHUNK, NO_BODY_STATUS, SERVER, DateCache,
+                                     check_header, chunk, parse_status)
+
+
+class Transport(Protocol):
+    def send(self, data: bytes) -> None: ...
+    def sendfile(self, fileno: int, offset: int, count: int) -> int: ...
+    def read_body(self) -> bytes: ...
+    def should_close(self) -> bool: ...
+
+
+class AppError(Exception):
+    """The application broke the WSGI contract (no start_response, bad body type, ...)."""
+
+
+class ClientGone(Exception):
+    """The client closed or reset the connection while we were writing to it."""
+
+
+# -- wsgi.input ---------------------------------------------------------------------------------
+
+class Input:
+    """``wsgi.input``: the request body, streamed from the connection as the app reads it.
+
+    Reading past the end returns ``b""`` (``wsgi.input_terminated`` is true).
+    """
+
+    __slots__ = ("_transport", "_buffer", "_done")
+
+    def __init__(self, transport: Transport | None) -> None:
+        self._transport = transport
+        self._buffer = b""
+        self._done = transport is None
+
+    def _fill(self) -> bool:
+        if self._done:
+            return False
+        data = self._transport.read_body()  # type: ignore[union-attr]
+        if not data:
+            self._done = True
+            return False
+        self._buffer += data
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:
+            while self._fill():
+                pass
+            data, self._buffer = self._buffer, b""
+            return data
+        while len(self._buffer) < size and self._fill():
+            pass
+        data, self._buffer = self._buffer[:size], self._buffer[size:]
+        return data
+
+    def readline(self, size: int | None = -1) -> bytes:
+        limit = -1 if size is None else size
+        start = 0
+        while True:
+            index = self._buffer.find(b"\n", start)
+            if index >= 0:
+                end = index + 1
+                break
+            if 0 <= limit <= len(self._buffer):
+                end = limit
+                break
+            start = len(self._buffer)
+            if not self._fill():
+                end = len(self._buffer)
+                break
+        if 0 <= limit < end:
+            end = limit
+        line, self._buffer = self._buffer[:end], self._buffer[end:]
+        return line
+
+    def readlines(self, hint: int = -1) -> list[bytes]:
+        lines, total = [], 0
+        while True:
+            line = self.readline()
+            if not line:
+                return lines
+            lines.append(line)
+            total += len(line)
+            if 0 < hint <= total:
+                return lines
+
+    def __iter__(self) -> "Input":
+        return self
+
+    def __next__(self) -> bytes:
+        line = self.readline()
+        if not line:
+            raise StopIteration
+        return line
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+
+class ErrorStream:
+    """``wsgi.errors``: text the app writes goes to the error log's descriptor."""
+
+    def __init__(self, fileno: Callable[[], int]) -> None:
+        self._fileno = fileno
+
+    def write(self, text: str) -> int:
+        data = text.encode("utf-8", "backslashreplace")
+        try:
+            os.write(self._fileno(), data)
+        except OSError:
+            return 0  # a full disk or closed stderr must not fail the request
+        return len(text)
+
+    def writelines(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        return None
+
+
+class FileWrapper:
+    """``wsgi.file_wrapper``: served with ``os.sendfile`` when the file has a descriptor."""
+
+    def __init__(self, filelike: Any, blksize: int = 65536) -> None:
+        self.filelike = filelike
+        self.blksize = blksize
+        closer = getattr(filelike, "close", None)
+        if closer is not None:
+            self.close = closer
+
+    def __iter__(self) -> "FileWrapper":
+        return self
+
+    def __next__(self) -> bytes:
+        data = self.filelike.read(self.blksize)
+        if data:
+            return data
+        raise StopIteration
+
+    def sendfile_span(self) -> tuple[int, int, int] | None:
+        """(fd, offset, size) when the file is a regular file we can sendfile from."""
+        try:
+            fd = self.filelike.fileno()
+            info = os.fstat(fd)
+            offset = self.filelike.tell()
+        except (AttributeError, OSError, ValueError):
+            return None
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        return fd, offset, max(info.st_size - offset, 0)
+
+
+# -- the environ --------------------------------------------------------------------------------
+
+def base_environ(server_name: str, server_port: str, errors: ErrorStream,
+                 multithread: bool = False) -> dict[str, Any]:
+    """Keys that are the same for every request on one listener of one worker."""
+    return {
+        "SERVER_NAME": server_name,
+        "SERVER_PORT": server_port,
+        "SCRIPT_NAME": os.environ.get("SCRIPT_NAME", ""),
+        "SERVER_SOFTWARE": "forkserve",
+        "wsgi.version": (1, 0),
+        "wsgi.url_scheme": "http",
+        "wsgi.errors": errors,
+        "wsgi.multithread": multithread,
+        "wsgi.multiprocess": True,
+        "wsgi.run_once": False,
+        "wsgi.input_terminated": True,
+        "wsgi.file_wrapper": FileWrapper,
+    }
+
+
+class HeaderKeys(dict):  # type: ignore[type-arg]
+    """Per-worker cache of header name -> environ key (``User-Agent`` -> ``HTTP_USER_AGENT``).
+
+    Names with ``_`` map to None and are dropped: ``X-Forwarded_For`` must not be able to
+    pose as ``X-Forwarded-For`` (the same rule as nginx and gunicorn).
+    """
+
+    def __missing__(self, name: bytes) -> str | None:
+        if len(self) > 1000:
+            self.clear()  # bounded: a client sending random names cannot grow it forever
+        text = name.decode("latin-1")
+        if "_" in text:
+            key = None
+        else:
+            key = text.upper().replace("-", "_")
+            if key not in ("CONTENT_TYPE", "CONTENT_LENGTH"):
+                key = "HTTP_" + key
+        self[name] = key
+        return key
+
+
+def build_environ(request: Request, base: dict[str, Any], keys: HeaderKeys,
+                  remote: tuple[str, str], wsgi_input: Input) -> dict[str, Any]:
+    environ = base.copy()
+    path = request.path
+    if b"%" in path:
+        path = unquote_to_bytes(path)
+    environ["REQUEST_METHOD"] = request.method
+    environ["PATH_INFO"] = path.decode("latin-1")
+    environ["QUERY_STRING"] = request.query.decode("latin-1")
+    environ["RAW_URI"] = request.target.decode("latin-1")
+    environ["SERVER_PROTOCOL"] = "HTTP/1.1" if request.version == "1.1" else "HTTP/1.0"
+    environ["REMOTE_ADDR"], environ["REMOTE_PORT"] = remote
+    environ["wsgi.input"] = wsgi_input
+    for name, value in request.headers:
+        key = keys[name]
+        if key is None:
+            continue
+        text = value.decode("latin-1")
+        if key in environ:
+            # Repeated fields combine with a comma (RFC 9110 §5.3); cookies with "; ".
+            text = environ[key] + ("; " if key == "HTTP_COOKIE" else ", ") + text
+        environ[key] = text
+    return environ
+
+
+# -- running the application --------------------------------------------------------------------
+
+class Exchange:
+    """One request and its response: start_response, write(), and the body framing."""
+
+    __slots__ = ("transport", "request", "dates", "status", "status_code", "headers",
+                 "headers_sent", "content_length", "chunked", "no_body", "close", "sent",
+                 "bytes_sent", "framing_broken")
+
+    def __init__(self, transport: Transport, request: Request, dates: DateCache) -> None:
+        self.transport = transport
+        self.request = request
+        self.dates = dates
+        self.status: str | None = None
+        self.status_code = 0
+        self.headers: list[tuple[str, str]] = []
+        self.headers_sent = False
+        self.content_length: int | None = None
+        self.chunked = False
+        self.no_body = False
+        self.close = not request.keep_alive
+        self.sent = 0  # body bytes of this response written so far
+        self.bytes_sent = 0  # as the access log counts them (body bytes)
+        self.framing_broken = False
+
+    # PEP 3333 start_response -----------------------------------------------------------
+    def start_response(self, status: str, headers: list[tuple[str, str]],
+                       exc_info: Any = None) -> Callable[[bytes], None]:
+        if exc_info:
+            try:
+                if self.headers_sent:
+                    raise exc_info[1].with_traceback(exc_info[2])
+            finally:
+                exc_info = None  # no reference cycle through the traceback
+        elif self.status is not None:
+            raise AppError("start_response called a second time without exc_info")
+        code = parse_status(status)
+        if type(headers) is not list:
+            raise TypeError(f"headers must be a list, got {type(headers).__name__}")
+        content_length = None
+        kept = []
+        for item in headers:
+            if type(item) is not tuple or len(item) != 2:
+                raise TypeError(f"each header must be a (name, value) tuple, got {item!r}")
+            name, value = item
+            check_header(name, value)
+            lname = name.lower()
+            if lname == "content-length":
+                if not value.strip().isdigit():
+                    raise ValueError(f"invalid Content-Length {value!r}")
+                content_length = int(value)
+                continue
+            if lname in HOP_BY_HOP:
+                if lname == "connection" and "close" in value.lower():
+                    self.close = True
+                continue  # the server frames the message and manages the connection
+            kept.append(item)
+        self.status = status
+        self.status_code = code
+        self.headers = kept
+        self.content_length = content_length
+        return self.write
+
+    # body -------------------------------------------------------------------------------
+    def _head(self, final_length: int | None) -> bytes:
+        """Serialise the status line and headers, choosing the framing now."""
+        if self.status is None:
+            raise AppError("the application did not call start_response")
+        code = self.status_code
+        request = self.request
+        head_only = request.method == "HEAD"
+        self.no_body = code < 200 or code in NO_BODY_STATUS or head_only
+        length = self.content_length
+        if self.no_body:
+            if code < 200 or code in NO_BODY_STATUS:
+                length = None  # RFC 9110 §8.6: no Content-Length on 1xx/204 (or a 304's)
+        elif length is None and final_length is not None:
+            length = self.content_length = final_length
+        if not self.close and self.transport.should_close():
+            self.close = True
+        lines = ["HTTP/1.1 ", self.status, "\r\n"]
+        for name, value in self.headers:
+            lines += (name, ": ", value, "\r\n")
+        if length is not None:
+            lines += ("Content-Length: ", str(length), "\r\n")
+        elif not self.no_body:
+            if request.version == "1.1":
+                self.chunked = True
+                lines.append("Transfer-Encoding: chunked\r\n")
+            else:
+                self.close = True  # HTTP/1.0 with no length: the close delimits the body
+        if self.close:
+            lines.append("Connection: close\r\n")
+        elif request.version == "1.0":
+            lines.append("Connection: keep-alive\r\n")
+        self.headers_sent = True
+        return b"".join((
+            "".join(lines).encode("latin-1"),
+            b"Date: ", self.dates.get(), b"\r\nServer: ", SERVER, b"\r\n\r\n"))
+
+    def _frame(self, data: bytes) -> bytes:
+        if type(data) is not bytes:
+            if isinstance(data, (bytearray, memoryview)):
+                data = bytes(data)
+            else:
+                raise AppError(f"the application yielded {type(data).__name__}, not bytes")
+        if self.no_body:
+            return b""
+        if self.chunked:
+            self.sent += len(data)
+            return chunk(data)
+        if self.content_length is not None:
+            room = self.content_length - self.sent
+            if len(data) > room:
+                # More than promised: send what was promised, then close, so nothing the app
+                # wrote past its Content-Length can be taken as the next response.
+                data = data[:room]
+                self.framing_broken = True
+                self.close = True
+        self.sent += len(data)
+        return data
+
+    def write(self, data: bytes) -> None:
+        """The write() callable, and each item of the app's iterable."""
+        if not self.headers_sent:
+            if not data:
+                if type(data) is not bytes:
+                    self._frame(data)  # raises for the wrong type
+                return  # PEP 3333: headers wait for the first non-empty body chunk
+            head = self._head(None)
+            self.transport.send(head + self._frame(data))
+            return
+        if data:
+            framed = self._frame(data)
+            if framed:
+                self.transport.send(framed)
+
+    def send_whole(self, body: bytes) -> None:
+        """The whole body known at once (a list or tuple): one send, with a Content-Length."""
+        if self.headers_sent:
+            self.write(body)
+            self.finish()
+            return
+        head = self._head(len(body))
+        self.transport.send(head + self._frame(body) + self._tail())
+
+    def send_file(self, wrapper: FileWrapper) -> bool:
+        """Serve a FileWrapper with sendfile; False when it must be iterated instead."""
+        span = wrapper.sendfile_span()
+        if span is None or self.headers_sent:
+            return False
+        fd, offset, size = span
+        if self.content_length is not None:
+            size = min(size, self.content_length)
+        self.transport.send(self._head(size))
+        if self.no_body or size == 0:
+            return True
+        sent = self.transport.sendfile(fd, offset, size)
+        self.sent += sent
+        try:
+            wrapper.filelike.seek(offset + sent)
+        except (AttributeError, OSError, ValueError):
+            self.close = True  # position unknown; nothing else depends on it
+        return True
+
+    def _tail(self) -> bytes:
+        if self.chunked:
+            return LAST_CHUNK
+        if self.content_length is not None and self.sent < self.content_length and not self.no_body:
+            # Fewer bytes than promised: the client will see a truncated body; close so it
+            # does not wait for the rest on a kept-alive connection.
+            self.framing_broken = True
+            self.close = True
+        return b""
+
+    def finish(self) -> None:
+        """The iterable is exhausted: send headers if none went yet, and the last chunk."""
+        if not self.headers_sent:
+            self.transport.send(self._head(0) + self._tail())
+            return
+        tail = self._tail()
+        if tail:
+            self.transport.send(tail)
+
+
+__all__ = ["AppError", "ClientGone", "ErrorStream", "Exchange", "FileWrapper", "HeaderKeys",
+           "Input", "Transport", "base_environ", "build_environ", "HTTPError"]
