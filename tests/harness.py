@@ -1,0 +1,226 @@
+"""Run ``python -m forkserve`` as a real process group and watch it.
+
+One ``wait_for(predicate, timeout)``, one log reader with a monotonic deadline: no bare sleeps.
+The server binds port 0 and the harness reads the real port from its "Starting forkserve" log
+line. Teardown kills the whole process group and asserts that no process of it is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TIMEOUT = 15.0
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = DEFAULT_TIMEOUT, what: str = "condition",
+             interval: float = 0.02) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def process_group(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group, read from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        state, group = fields[0], int(fields[2])
+        if group == pgid and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def children(pid: int) -> list[int]:
+    result: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as fh:
+                result.extend(int(p) for p in fh.read().split())
+    except OSError:
+        return []
+    return result
+
+
+def open_fds(pid: int) -> list[str]:
+    try:
+        return sorted(os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return []
+
+
+class Server:
+    """A forkserve process group. Lines of its error log are parsed as JSON records."""
+
+    def __init__(self, *args: str, app: str = "tests.apps:app", env: dict[str, str] | None = None,
+                 cwd: Path | str = ROOT, json_logs: bool = True, bind: str | None = "127.0.0.1:0",
+                 workers: int = 2) -> None:
+        argv = [sys.executable, "-m", "forkserve"]
+        if bind is not None:
+            argv += ["-b", bind]
+        if workers:
+            argv += ["-w", str(workers)]
+        if json_logs:
+            argv += ["--log-format", "json"]
+        argv += list(args)
+        if app:
+            argv.append(app)
+        self.argv = argv
+        full_env = dict(os.environ)
+        full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(argv, cwd=str(cwd), env=full_env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     start_new_session=True)
+        self.pid = self.proc.pid
+        self.lines: list[str] = []
+        self.stdout_lines: list[str] = []
+        self._lock = threading.Lock()
+        self._readers = [
+            threading.Thread(target=self._read, args=(self.proc.stderr, self.lines), daemon=True),
+            threading.Thread(target=self._read, args=(self.proc.stdout, self.stdout_lines), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+        self._port: int | None = None
+
+    def _read(self, stream: Any, sink: list[str]) -> None:
+        for raw in iter(stream.readline, b""):
+            with self._lock:
+                sink.append(raw.decode("utf-8", "replace").rstrip("\n"))
+
+    # -- logs ----------------------------------------------------------------------------
+    def records(self) -> list[dict[str, Any]]:
+        out = []
+        with self._lock:
+            lines = list(self.lines)
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                out.append(record)
+        return out
+
+    def log_text(self) -> str:
+        with self._lock:
+            return "\n".join(self.lines)
+
+    def wait_log(self, message: str, timeout: float = DEFAULT_TIMEOUT, **fields: Any) -> dict[str, Any]:
+        """The first JSON record whose message contains ``message`` and has ``fields``."""
+        def find() -> dict[str, Any] | None:
+            for record in self.records():
+                if message in record.get("message", "") and all(
+                        record.get(k) == v for k, v in fields.items()):
+                    return record
+            return None
+        return wait_for(find, timeout, f"log line {message!r} {fields or ''}\n{self.log_text()}")  # type: ignore[no-any-return]
+
+    def count_log(self, message: str) -> int:
+        return sum(1 for r in self.records() if message in r.get("message", ""))
+
+    def wait_text(self, text: str, timeout: float = DEFAULT_TIMEOUT) -> str:
+        return wait_for(lambda: text in self.log_text() and self.log_text(), timeout,  # type: ignore[no-any-return]
+                        f"{text!r} in the log\n{self.log_text()}")
+
+    # -- addresses -------------------------------------------------------------------------
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            record = self.wait_log("Starting forkserve")
+            first = str(record["listening"]).split(",")[0]
+            self._port = int(first.rsplit(":", 1)[1])
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = DEFAULT_TIMEOUT) -> "Server":
+        self.wait_log("Server ready", timeout)
+        return self
+
+    def connect(self, timeout: float = 10.0) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.port), timeout=timeout)
+
+    # -- processes ---------------------------------------------------------------------------
+    def workers(self) -> list[int]:
+        return children(self.pid)
+
+    def signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+
+    def wait_exit(self, timeout: float = DEFAULT_TIMEOUT) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"server did not exit within {timeout}s\n{self.log_text()}") from None
+
+    def close(self) -> None:
+        """Kill the process group. A server that exited by itself must have left no worker."""
+        exited = self.proc.poll() is not None
+        orphans: list[int] = []
+        if exited:
+            try:
+                wait_for(lambda: not process_group(self.pid), 3, "the workers to exit")
+            except AssertionError:
+                orphans = process_group(self.pid)
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        for reader in self._readers:
+            reader.join(5)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+        wait_for(lambda: not process_group(self.pid), 5, "the process group to be gone")
+        assert not orphans, f"processes outlived the server: {orphans}\n{self.log_text()}"
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def raw_request(port: int, data: bytes, timeout: float = 10.0, read_until_close: bool = True) -> bytes:
+    """Send raw bytes, return everything the server sends until it closes (or times out)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        chunks = []
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except socket.timeout:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+            if not read_until_close:
+                break
+        return b"".join(chunks)
