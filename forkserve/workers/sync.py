@@ -36,7 +36,7 @@ class SyncWorker(Worker):
         for listener in self.listeners:
             name, port = listener.server_name_port()
             self.environs[listener.fd] = base_environ(name, port, errors)
-        self.pending: tuple[socket.socket, Any, Listener] | None = None
+        self.parked = 0  # idle keep-alive connections set aside while a newcomer is served
         # The listeners alone: the zero-timeout "is anyone waiting?" check.
         self.waiting_poll = select.poll()
         # Everything that can end a wait: listeners, signals, the arbiter's death.
@@ -56,8 +56,7 @@ class SyncWorker(Worker):
     def _loop(self) -> None:
         heartbeat_ms = self.heartbeat_interval * 1000.0
         while self.state is RUNNING:
-            accepted = self.pending or self._accept()
-            self.pending = None
+            accepted = self._accept()
             if accepted is not None:
                 self._handle(*accepted)
                 continue
@@ -94,7 +93,8 @@ class SyncWorker(Worker):
 
     def _should_close(self) -> bool:
         """Asked as a response head is written: close rather than keep this client alive?"""
-        return self.state is not RUNNING or bool(self.waiting_poll.poll(0))
+        return (self.state is not RUNNING or self.parked > 0 or self.settings.keepalive <= 0
+                or bool(self.waiting_poll.poll(0)))
 
     # -- one connection --------------------------------------------------------------------
     def _handle(self, sock: socket.socket, addr: Any, listener: Listener) -> None:
@@ -138,38 +138,42 @@ class SyncWorker(Worker):
             counters.active_connections -= 1
 
     def _wait_idle(self, conn: Connection) -> bool:
-        """Between requests on a kept-alive connection. True when the client sent more."""
+        """Between requests on a kept-alive connection. True when the client sent more.
+
+        If a newcomer is accepted meanwhile, this connection is parked (not closed: closing
+        it could race the client's next request, which would then be lost) and the newcomer
+        is served at once with ``Connection: close``; then the wait here goes on.
+        """
         keepalive = self.settings.keepalive
         if keepalive <= 0:
             return False
         poller = self.main_poll
-        poller.register(conn.fd, POLLIN)
-        try:
-            deadline = time.monotonic() + keepalive
-            while self.state is RUNNING:
-                self._idle()
-                now = time.monotonic()
-                if now >= deadline:
-                    return False
+        deadline = time.monotonic() + keepalive
+        while self.state is RUNNING:
+            self._idle()
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            poller.register(conn.fd, POLLIN)
+            try:
                 ready = poller.poll(min(deadline - now, self.heartbeat_interval) * 1000.0 + 1)
-                if not ready:
-                    continue
-                fds = [fd for fd, _ in ready]
-                if conn.fd in fds:
+            finally:
+                poller.unregister(conn.fd)
+            newcomer = None
+            for fd, _ in ready:
+                if fd == conn.fd:
                     return True
-                for fd in fds:
-                    if fd in self.listener_fds:
-                        accepted = self._accept()
-                        if accepted is not None:
-                            # Someone else waits: give the worker to them. The idle client
-                            # sees a close, as after any keep-alive timeout, and reconnects.
-                            self.pending = accepted
-                            return False
-                    else:
-                        self._wake(fd)
-            return False
-        finally:
-            poller.unregister(conn.fd)
+                if fd in self.listener_fds:
+                    newcomer = newcomer or self._accept()
+                else:
+                    self._wake(fd)
+            if newcomer is not None:
+                self.parked += 1
+                try:
+                    self._handle(*newcomer)
+                finally:
+                    self.parked -= 1
+        return False
 
     def _refuse(self, conn: Connection, status: int, reason: str) -> None:
         """A request the server answers itself: it never reaches the application."""
