@@ -251,7 +251,7 @@ def build_argparser(version: str) -> argparse.ArgumentParser:
         if s.name == "app":
             parser.add_argument("app", nargs="?", metavar=s.metavar, help=s.help)
             continue
-        default_text = "" if s.default in (None, False) else f" [default: {_show(s.default)}]"
+        default_text = "" if s.default is None or s.default is False else f" [default: {_show(s.default)}]"
         kwargs: dict[str, Any] = {"dest": s.name, "help": s.help + default_text}
         if s.flag:
             kwargs["action"] = "store_const"
@@ -342,8 +342,28 @@ def reloadable_changes(old: Config, new: Config) -> Iterable[str]:
             if not s.reloadable and old.values.get(s.name) != new.values.get(s.name)]
 
 
+def settings_table() -> str:
+    """The README's settings table, generated from the registry (a test keeps them equal)."""
+    rows = ["| setting (YAML key) | command line | environment | default | HUP reloads | meaning |",
+            "|---|---|---|---|---|---|"]
+    for s in SETTINGS:
+        flags = ("positional `MODULE:APP`" if s.name == "app"
+                 else ", ".join(f"`{f}`" for f in s.flags + s.aliases))
+        if s.name == "workers":
+            default = "CPU count"
+        elif s.default is None:
+            default = "—"
+        elif isinstance(s.default, bool):
+            default = str(s.default).lower()
+        else:
+            default = _show(s.default)
+        rows.append(f"| `{s.name}` | {flags} | `{s.env}` | {default} | "
+                    f"{'yes' if s.reloadable else 'no (restart)'} | {s.help} |")
+    return "\n".join(rows) + "\n"
+
+
 __all__ = ["Config", "ConfigError", "SETTINGS", "Setting", "build_argparser", "parse_args",
            "resolve", "read_yaml", "unknown_env", "reloadable_changes"]
 
-if __name__ == "__main__":  # pragma: no cover - a quick way to eyeball the generated help
-    build_argparser("dev").print_help(sys.stdout)
+if __name__ == "__main__":  # `python -m forkserve.config` prints the README's settings table
+    sys.stdout.write(settings_table())
