@@ -48,7 +48,8 @@ class WorkerHandle:
     retiring: str = ""  # why the worker leaves on its own (max-requests)
     boot_error: str = ""
     kill_reason: str = ""
-    kill_at: float | None = None  # SIGKILL deadline once a softer signal was sent
+    escalate_at: float | None = None  # when to send escalate_signal (a worker not leaving)
+    escalate_signal: int = signal.SIGKILL
     active_connections: int = 0
     in_flight_requests: int = 0
     background_tasks: int = 0
@@ -161,8 +162,9 @@ class Arbiter:
             listener.sock.close()
         now = time.monotonic()
         for handle in self.workers.values():
+            handle.stopping = True
             self.send(handle, signal.SIGQUIT)
-            handle.kill_at = now + KILL_GRACE
+            self.escalate(handle, now + KILL_GRACE, signal.SIGKILL)
         self.check_gone()
 
     def reopen_logs(self) -> None:
@@ -233,7 +235,21 @@ class Arbiter:
                 self.spawn(worker_id, now)
         # A smaller count after a reload: retire the extra workers of this generation.
         extra = [h for h in self.current() if h.worker_id > self.config.worker_count]
-        self.signal_workers(signal.SIGTERM, extra)
+        self.retire(extra)
+
+    def escalate(self, handle: WorkerHandle, when: float, signum: int) -> None:
+        """Send ``signum`` at ``when`` unless the worker is gone by then (never later than an
+        escalation already planned)."""
+        if handle.escalate_at is None or when < handle.escalate_at:
+            handle.escalate_at = when
+            handle.escalate_signal = signum
+
+    def retire(self, handles: list[WorkerHandle]) -> None:
+        """Stop workers gracefully, bounded: TERM now, QUIT after the drain timeout, then KILL."""
+        when = time.monotonic() + self.config.drain_timeout
+        self.signal_workers(signal.SIGTERM, handles)
+        for handle in handles:
+            self.escalate(handle, when, signal.SIGQUIT)
 
     def send(self, handle: WorkerHandle, signum: int) -> None:
         try:
@@ -274,6 +290,7 @@ class Arbiter:
         elif record.kind is Kind.RETIRING:
             handle.retiring = record.text
             handle.stopping = True
+            self.escalate(handle, now + self.config.drain_timeout, signal.SIGQUIT)
             self.spawn_missing(now)  # its replacement boots while it finishes
 
     def check_booted(self) -> None:
@@ -287,7 +304,7 @@ class Arbiter:
             old = [h for h in self.workers.values() if h.generation < self.generation]
             self.log.info("Reload complete: new workers booted, stopping the old ones",
                           generation=self.generation, old_workers=len(old))
-            self.signal_workers(signal.SIGTERM, old)
+            self.retire(old)
 
     def reap(self) -> None:
         while True:
@@ -343,6 +360,18 @@ class Arbiter:
         self.respawn_after = time.monotonic() + delay
         self.log.error(f"{handle.describe()} failed to boot: {reason}; retrying in {delay:g}s")
 
+    def escalate_now(self, handle: WorkerHandle, now: float) -> None:
+        signum = handle.escalate_signal
+        handle.escalate_at = None
+        if signum == signal.SIGKILL:
+            self.log.error(f"{handle.describe()} did not stop; sending SIGKILL")
+            handle.kill_reason = handle.kill_reason or "a SIGKILL (it did not stop in time)"
+        else:
+            self.log.warning(f"{handle.describe()} still busy after the drain timeout; "
+                             f"sending {sigs.name(signum)}")
+            self.escalate(handle, now + KILL_GRACE, signal.SIGKILL)
+        self.send(handle, signum)
+
     def check_gone(self) -> None:
         if not self.workers and self.state in (State.DRAINING, State.CANCELLING, State.HALTING):
             self.transition(Event.WORKERS_GONE, "All workers stopped")
@@ -354,8 +383,8 @@ class Arbiter:
             deadlines.append(self.deadline)
         timeout = self.config.timeout
         for handle in self.workers.values():
-            if handle.kill_at is not None:
-                deadlines.append(handle.kill_at)
+            if handle.escalate_at is not None:
+                deadlines.append(handle.escalate_at)
             elif timeout and not handle.stopping:
                 deadlines.append(handle.last_seen + timeout)
         if self.respawn_after > now:
@@ -367,19 +396,16 @@ class Arbiter:
     def tick(self, now: float) -> None:
         timeout = self.config.timeout
         for handle in list(self.workers.values()):
-            if handle.kill_at is not None:
-                if now >= handle.kill_at:
-                    self.log.error(f"{handle.describe()} did not stop; sending SIGKILL")
-                    handle.kill_reason = handle.kill_reason or "a hard stop"
-                    handle.kill_at = None
-                    self.send(handle, signal.SIGKILL)
+            if handle.escalate_at is not None:
+                if now >= handle.escalate_at:
+                    self.escalate_now(handle, now)
             elif timeout and not handle.stopping and now - handle.last_seen >= timeout:
                 what = "boot" if not handle.booted else "heartbeat"
                 self.log.error(f"{handle.describe()} timed out (no {what} for {timeout:g}s); "
                                "killing it")
                 handle.kill_reason = f"a timeout ({timeout:g}s without a {what})"
-                handle.kill_at = now + KILL_GRACE
                 self.send(handle, signal.SIGABRT)
+                self.escalate(handle, now + KILL_GRACE, signal.SIGKILL)
         if self.deadline is not None and now >= self.deadline:
             self.deadline = None
             if self.state is State.DRAINING:
