@@ -49,8 +49,8 @@ def _seconds(value: Any) -> float:
         number = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"expected a number of seconds, got {value!r}") from None
-    if number < 0 or number != number:
-        raise ValueError(f"must be zero or more seconds, got {value!r}")
+    if not 0 <= number < float("inf"):  # also refuses nan
+        raise ValueError(f"must be a finite number of seconds, zero or more; got {value!r}")
     return number
 
 

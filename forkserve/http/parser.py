@@ -13,6 +13,7 @@ only transfer coding is ``chunked`` (RFC 9112 §6.1: 501 for codings we do not i
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Union
@@ -20,6 +21,8 @@ from typing import Any, Union
 import httptools
 
 from forkserve.http.errors import HTTPError
+
+_TOKEN_START = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+( |\Z)")
 
 END: Any = type("END", (), {"__repr__": lambda self: "END"})()
 
@@ -33,8 +36,9 @@ class Limits:
 
     @property
     def head(self) -> int:
-        # The most a complete head may take: line, fields with ": " and CRLFs, final CRLF.
-        return self.request_line + 2 + self.fields * (self.field_size + 4) + 2
+        # The most a complete head may take: the target plus room for the method and
+        # version, the fields with ": " and CRLFs, the final CRLF.
+        return self.request_line + 32 + self.fields * (self.field_size + 4) + 2
 
 
 class Request:
@@ -98,13 +102,22 @@ class RequestParser:
         self._expect = False
         self._body_bytes = 0
         self._upgraded = False
+        self._upgrade_remaining = 0
+        self._in_body = False
+        self._began_here = False
+        self._probe = b""
 
     # -- input -------------------------------------------------------------------------
     def feed(self, data: bytes) -> None:
         if self._upgraded:
-            # After an Upgrade/CONNECT the bytes belong to another protocol we do not speak;
-            # the connection closes after the response, so they are dropped.
+            self._upgrade_body(data)
             return
+        idle = not self._in_head and not self._in_body
+        if idle:
+            self._probe = data  # the start of the next request: kept to tell 400 from 501
+            self._began_here = False
+        elif self._in_head and not self._url:
+            self._probe += data
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -113,32 +126,67 @@ class RequestParser:
             if isinstance(cause, HTTPError):
                 raise cause from None
             raise
-        except httptools.HttpParserUpgrade:
-            self._upgraded = True
-            heads = [event for event in self.events if isinstance(event, Request)]
-            if heads:
-                heads[-1].upgrade = True
-                heads[-1].keep_alive = False
+        except httptools.HttpParserUpgrade as exc:
+            self._on_upgrade(data, exc.args[0] if exc.args else len(data))
             return
         except httptools.HttpParserInvalidMethodError:
-            raise HTTPError(501, "Method not implemented") from None
+            # 501 is for a well-formed method we do not implement (RFC 9110 §9.1); bytes
+            # that are no method at all (a TLS hello, garbage) are a bad request line (400).
+            if _TOKEN_START.match(self._probe.lstrip(b"\r\n")):
+                raise HTTPError(501, "Method not implemented") from None
+            raise HTTPError(400, "Bad request line") from None
         except httptools.HttpParserInvalidURLError:
             raise HTTPError(400, "Bad request target") from None
         except httptools.HttpParserError as exc:
             raise HTTPError(400, _reason(exc)) from None
         if self._in_head:
-            # Counted per feed while a head is incomplete: may over-count by the bytes of an
-            # earlier pipelined request in the same chunk, never under-count.
-            self._head_bytes += len(data)
-            if self._head_bytes <= self.limits.head:
-                return
-            if not self._headers:
-                raise HTTPError(414, "Request line too long")
-            raise HTTPError(431, "Request header fields too large")
+            if self._began_here:
+                # The head began inside this feed: count what it holds so far, not the bytes
+                # of an earlier pipelined request. The unfinished field is counted from the
+                # next feed on, so an endless field is cut at most one read past the limit.
+                self._began_here = False
+                self._head_bytes = len(self._url) + self._field_bytes
+            else:
+                self._head_bytes += len(data)
+            if self._head_bytes > self.limits.head:
+                # A long target is caught in on_url (414); what overflows here are fields.
+                raise HTTPError(431, "Request header fields too large")
+
+    def _on_upgrade(self, data: bytes, offset: int) -> None:
+        """llhttp stops at an Upgrade (or CONNECT) head and skips its body. We do not switch
+        protocols: the request is served as a plain one and the connection then closes. A
+        Content-Length body is still delivered to the app; a chunked one is refused."""
+        self._upgraded = True
+        heads = [event for event in self.events if isinstance(event, Request)]
+        if not heads:
+            return
+        head = heads[-1]
+        head.upgrade = True
+        head.keep_alive = False
+        if head.chunked:
+            raise HTTPError(501, "A chunked body with Upgrade is not implemented")
+        remaining = head.content_length or 0
+        if remaining:
+            if self.events and self.events[-1] is END:
+                self.events.pop()  # llhttp ended the message before its body: reopen it
+            self._upgrade_remaining = remaining
+            self._upgrade_body(data[offset:])
+
+    def _upgrade_body(self, data: bytes) -> None:
+        remaining = self._upgrade_remaining
+        if remaining <= 0:
+            return  # past the request: bytes of a protocol we do not speak, dropped
+        piece = data[:remaining]
+        if piece:
+            self.on_body(piece)
+        self._upgrade_remaining = remaining - len(piece)
+        if self._upgrade_remaining == 0:
+            self.events.append(END)
 
     # -- llhttp callbacks (called from inside feed_data) -----------------------------------
     def on_message_begin(self) -> None:
         self._in_head = True
+        self._began_here = True
         self._head_bytes = 0
         self._url = b""
         self._headers = []
@@ -158,11 +206,13 @@ class RequestParser:
         if not self._in_head:
             return  # a chunked trailer field: not passed on to WSGI
         headers = self._headers
+        value = value.rstrip(b" \t")  # llhttp strips leading OWS only (RFC 9110 §5.5)
         if len(headers) >= self.limits.fields:
             raise HTTPError(431, "Too many request header fields")
         if len(name) + len(value) > self.limits.field_size:
             raise HTTPError(431, "Request header field too large")
         headers.append((name, value))
+        self._field_bytes += len(name) + len(value) + 4
         lname = name.lower()
         if lname == b"content-length":
             self._content_length = int(value)
@@ -175,6 +225,7 @@ class RequestParser:
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._in_body = True
         parser = self._parser
         version = parser.get_http_version()
         if version not in ("1.1", "1.0"):
@@ -190,10 +241,11 @@ class RequestParser:
         limit = self.limits.body
         if limit and self._content_length is not None and self._content_length > limit:
             raise HTTPError(413, "Request body too large")
+        # RFC 9112 §6.1: an HTTP/1.0 message with Transfer-Encoding must close afterwards.
+        keep_alive = parser.should_keep_alive() and not (chunked and version == "1.0")
         self.events.append(Request(
             parser.get_method().decode("ascii"), self._url, version, self._headers,
-            parser.should_keep_alive(), self._content_length, chunked,
-            self._expect and version == "1.1"))
+            keep_alive, self._content_length, chunked, self._expect and version == "1.1"))
 
     def on_body(self, body: bytes) -> None:
         limit = self.limits.body
@@ -204,6 +256,7 @@ class RequestParser:
         self.events.append(body)
 
     def on_message_complete(self) -> None:
+        self._in_body = False
         self.events.append(END)
 
 

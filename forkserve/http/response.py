@@ -14,7 +14,8 @@ SERVER = b"forkserve"
 
 # RFC 9110 §5.1 token characters for field names; values may not hold CR, LF or NUL.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
-_BAD_VALUE = re.compile(r"[\r\n\x00]")
+_BAD_VALUE = re.compile(r"[\r\n\x00]|[^\x00-\xff]")  # CR, LF, NUL, or not latin-1
+_STATUS = re.compile(r"[1-9][0-9]{2} [^\r\n\x00]*\Z")
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) belong to the server, not to a WSGI app (PEP 3333).
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
@@ -56,20 +57,17 @@ def check_header(name: object, value: object) -> None:
     if not _TOKEN.match(name):
         raise ValueError(f"invalid header name {name!r}")
     if _BAD_VALUE.search(value):
-        raise ValueError(f"invalid header value for {name!r}: CR, LF and NUL are not allowed")
+        raise ValueError(f"invalid header value for {name!r}: CR, LF, NUL and text that is not "
+                         "latin-1 are not allowed")
 
 
 def parse_status(status: object) -> int:
     """'200 OK' -> 200; ValueError for anything PEP 3333 does not allow."""
     if type(status) is not str:
         raise TypeError(f"status must be str, got {status!r}")
-    code = status[:3]
-    if len(status) < 4 or status[3] != " " or not code.isdigit() or _BAD_VALUE.search(status):
-        raise ValueError(f"invalid status {status!r}: expected e.g. '200 OK'")
-    number = int(code)
-    if number < 100:
-        raise ValueError(f"invalid status code {number}")
-    return number
+    if not _STATUS.match(status) or _BAD_VALUE.search(status):
+        raise ValueError(f"invalid status {status!r}: expected e.g. '200 OK' (latin-1 text)")
+    return int(status[:3])
 
 
 def chunk(data: bytes) -> bytes:
