@@ -20,6 +20,8 @@ from forkserve.http.response import (HOP_BY_HOP, LAST_CHUNK, NO_BODY_STATUS, SER
 
 
 class Transport(Protocol):
+    continue_sent: bool
+
     def send(self, data: bytes) -> None: ...
     def sendfile(self, fileno: int, offset: int, count: int) -> int: ...
     def read_body(self) -> bytes: ...
@@ -273,6 +275,10 @@ class Exchange:
         elif self.status is not None:
             raise AppError("start_response called a second time without exc_info")
         code = parse_status(status)
+        if code < 200:
+            # An interim status as the whole response would desync the connection: the client
+            # takes it as interim and the next response as this one's.
+            raise AppError(f"a WSGI app cannot send the interim status {status!r}")
         if type(headers) is not list:
             raise TypeError(f"headers must be a list, got {type(headers).__name__}")
         content_length = None
@@ -300,8 +306,12 @@ class Exchange:
         return self.write
 
     # body -------------------------------------------------------------------------------
-    def _head(self, final_length: int | None) -> bytes:
-        """Serialise the status line and headers, choosing the framing now."""
+    def _head(self, final_length: int | None, exact: bool = False) -> bytes:
+        """Serialise the status line and headers, choosing the framing now.
+
+        ``final_length`` is the body's length when it is known; ``exact`` says it is also
+        what a GET would send (a file), so a HEAD may announce it too.
+        """
         if self.status is None:
             raise AppError("the application did not call start_response")
         code = self.status_code
@@ -310,12 +320,19 @@ class Exchange:
         self.no_body = code < 200 or code in NO_BODY_STATUS or head_only
         length = self.content_length
         if self.no_body:
-            if code < 200 or code in NO_BODY_STATUS:
-                length = None  # RFC 9110 §8.6: no Content-Length on 1xx/204 (or a 304's)
+            if code in NO_BODY_STATUS:
+                length = None  # RFC 9110 §8.6: no Content-Length on 204 (or a 304's)
+            elif length is None and exact:
+                length = final_length
         elif length is None and final_length is not None:
             length = self.content_length = final_length
-        if not self.close and self.transport.should_close():
-            self.close = True
+        if not self.close:
+            if request.expect_continue and request.has_body and not self.transport.continue_sent:
+                # Answering without asking for the body: the connection will close, so say
+                # so (RFC 9110 §10.1.1).
+                self.close = True
+            elif self.transport.should_close():
+                self.close = True
         lines = ["HTTP/1.1 ", self.status, "\r\n"]
         for name, value in self.headers:
             lines += (name, ": ", value, "\r\n")
@@ -337,11 +354,6 @@ class Exchange:
             b"Date: ", self.dates.get(), b"\r\nServer: ", SERVER, b"\r\n\r\n"))
 
     def _frame(self, data: bytes) -> bytes:
-        if type(data) is not bytes:
-            if isinstance(data, (bytearray, memoryview)):
-                data = bytes(data)
-            else:
-                raise AppError(f"the application yielded {type(data).__name__}, not bytes")
         if self.no_body:
             return b""
         if self.chunked:
@@ -360,10 +372,12 @@ class Exchange:
 
     def write(self, data: bytes) -> None:
         """The write() callable, and each item of the app's iterable."""
+        if type(data) is not bytes:
+            if not isinstance(data, (bytearray, memoryview)):
+                raise AppError(f"the application yielded {type(data).__name__}, not bytes")
+            data = bytes(data)
         if not self.headers_sent:
             if not data:
-                if type(data) is not bytes:
-                    self._frame(data)  # raises for the wrong type
                 return  # PEP 3333: headers wait for the first non-empty body chunk
             head = self._head(None)
             self.transport.send(head + self._frame(data))
@@ -390,7 +404,7 @@ class Exchange:
         fd, offset, size = span
         if self.content_length is not None:
             size = min(size, self.content_length)
-        self.transport.send(self._head(size))
+        self.transport.send(self._head(size, exact=True))
         if self.no_body or size == 0:
             return True
         sent = self.transport.sendfile(fd, offset, size)

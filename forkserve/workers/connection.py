@@ -79,8 +79,24 @@ class Connection:
             if not data:
                 return False
             self.received = True
-            self.parser.feed(data)
+            try:
+                self.parser.feed(data)
+            except HTTPError as exc:
+                self._queue_error(exc)
             return True
+
+    def _queue_error(self, exc: HTTPError) -> None:
+        """A parse error behind complete pipelined requests belongs to the request that
+        caused it: those before it are answered first (RFC 9112 §9.6), then it is refused.
+        What follows the last complete request is dropped, so no part of a refused request
+        (an over-limit body, say) ever reaches the app. With nothing complete queued, the
+        error belongs to the request being read: raise it now."""
+        events = self.events
+        if END not in events:
+            raise exc
+        while events[-1] is not END:
+            events.pop()
+        events.append(exc)
 
     def read_head(self, deadline: float) -> Request | None:
         """The next request's head, or None when the client closed before sending one."""
@@ -90,8 +106,10 @@ class Connection:
             if not self.recv(deadline):
                 return None
         head = events.popleft()
+        if type(head) is not Request:
+            raise head  # a queued HTTPError: see _queue_error
         self.continue_sent = False
-        return head  # type: ignore[no-any-return]
+        return head
 
     def read_body(self) -> bytes:
         """Transport for wsgi.input: the next piece of the body, b"" at its end."""
@@ -111,10 +129,10 @@ class Connection:
             if not self.recv(time.monotonic() + self.io_timeout):
                 raise ClientGone("the client closed the connection during the request body")
 
-    def body_pending(self) -> bool:
-        """True while the current request's body has not been read to its end."""
+    def has_unread(self) -> bool:
+        """True when closing now could discard bytes the client sent (so linger first)."""
         events = self.events
-        return not events or events[0] is not END
+        return not events or events[0] is not END or len(events) > 1
 
     def discard_body(self, request: Request) -> bool:
         """Drop what is left of the body; False when the connection cannot be reused."""

@@ -125,7 +125,7 @@ class SyncWorker(Worker):
                     return
                 keep = self._serve(conn, request, base)
                 if not keep or self.state is not RUNNING:
-                    linger = conn.body_pending()
+                    linger = conn.has_unread()
                     return
                 if conn.events:
                     continue  # a pipelined request is already here
@@ -159,10 +159,13 @@ class SyncWorker(Worker):
                 ready = poller.poll(min(deadline - now, self.heartbeat_interval) * 1000.0 + 1)
             finally:
                 poller.unregister(conn.fd)
+            fds = [fd for fd, _ in ready]
+            if conn.fd in fds:
+                # The idle client spoke: serve it. A newcomer waiting too makes this
+                # response say Connection: close (_should_close), so it is next.
+                return True
             newcomer = None
-            for fd, _ in ready:
-                if fd == conn.fd:
-                    return True
+            for fd in fds:
                 if fd in self.listener_fds:
                     newcomer = newcomer or self._accept()
                 else:
@@ -213,6 +216,10 @@ class SyncWorker(Worker):
             self.in_request = False
             counters.in_flight_requests -= 1
             conn.exchange = None
+        if exchange.framing_broken:
+            self.log.error("Response body did not match its Content-Length; connection closed",
+                           method=request.method, target=environ["RAW_URI"],
+                           content_length=exchange.content_length, sent=exchange.sent)
         self.request_done()
         if access_log is not None:
             access_log.request(
