@@ -32,6 +32,7 @@ ARBITER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP,
 
 KILL_GRACE = 2.0  # seconds between SIGABRT/SIGQUIT and SIGKILL for a worker that will not go
 MAX_RESPAWN_DELAY = 10.0
+MAX_POLL_MS = 3_600_000.0
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Arbiter:
     respawn_after: float = 0.0
     boot_failures: int = 0
     int_count: int = 0
+    previous: tuple[Config, WorkerSettings, type] | None = None  # what a failed reload restores
 
     # -- set-up ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -106,7 +108,8 @@ class Arbiter:
         self.spawn_missing(time.monotonic())
         while self.state is not State.STOPPED:
             timeout = self.next_timeout(time.monotonic())
-            poller.poll(None if timeout is None else timeout * 1000.0 + 1)
+            # Capped: poll() overflows past ~24 days (a --drain-timeout of 1e7 is legal).
+            poller.poll(MAX_POLL_MS if timeout is None else min(timeout * 1000.0 + 1, MAX_POLL_MS))
             for signum in self.signals.drain():
                 self.dispatch.get(signum, self.reap)()
             self.read_counters()
@@ -195,6 +198,7 @@ class Arbiter:
                 new.values[name] = self.config.values[name]
         if self.app is not None:
             self.log.warning("With --preload, HUP restarts workers but not the application code")
+        self.previous = (self.config, self.settings, self.worker_cls)
         self.config = new
         self.log.configure(new.log_level, new.log_format)
         self.settings = WorkerSettings(new)
@@ -314,6 +318,9 @@ class Arbiter:
                 return
             if pid == 0:
                 return
+            # A worker writes its last record (BOOT_ERROR, RETIRING) and then exits: read the
+            # pipe before judging the exit, or the record would come after its explanation.
+            self.read_counters()
             handle = self.workers.pop(pid, None)
             if handle is not None:
                 self.on_exit(handle, status)
@@ -322,7 +329,7 @@ class Arbiter:
     def on_exit(self, handle: WorkerHandle, status: int) -> None:
         how = describe_status(status)
         if not handle.booted:
-            self.on_boot_failure(handle, how)
+            self.on_boot_failure(handle, how, status)
         elif handle.kill_reason:
             self.log.error(f"{handle.describe()} {how} after {handle.kill_reason}")
         elif handle.retiring:
@@ -335,9 +342,13 @@ class Arbiter:
         self.check_gone()
         self.check_booted()
 
-    def on_boot_failure(self, handle: WorkerHandle, how: str) -> None:
-        reason = handle.boot_error or handle.kill_reason or f"a worker {how} while booting"
-        code = ExitCode.APP_LOAD_ERROR if handle.boot_error else ExitCode.WORKER_BOOT_ERROR
+    def on_boot_failure(self, handle: WorkerHandle, how: str, status: int) -> None:
+        load_error = bool(handle.boot_error) or (
+            os.WIFEXITED(status) and os.WEXITSTATUS(status) == ExitCode.APP_LOAD_ERROR)
+        reason = (handle.boot_error or handle.kill_reason
+                  or ("the application could not be loaded" if load_error
+                      else f"a worker {how} while booting"))
+        code = ExitCode.APP_LOAD_ERROR if load_error else ExitCode.WORKER_BOOT_ERROR
         if handle.stopping or self.state not in (State.BOOTING, State.RUNNING):
             return  # stopped on purpose before it was ready
         if self.state is State.BOOTING:
@@ -352,6 +363,11 @@ class Arbiter:
             self.signal_workers(signal.SIGQUIT, failed)
             self.generation = max((h.generation for h in self.workers.values()
                                    if h.generation < handle.generation), default=self.generation)
+            # Back to the configuration the old workers run, so that replacing one of them
+            # does not start the broken app.
+            if self.previous is not None:
+                self.config, self.settings, self.worker_cls = self.previous
+            self.log.configure(self.config.log_level, self.config.log_format)
             self.log.error(f"Reload failed, the old workers keep serving: {reason}")
             return
         # A replacement failed while the rest serve: retry, slower and slower (no fork loop).

@@ -202,7 +202,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("access_log", _optional_text, None, "access-log file, or - for stdout (off by default)",
             flags=("--access-log",), metavar="PATH"),
     Setting("error_log", _text, "-", "error-log file, or - for stderr",
-            flags=("--error-log",), metavar="PATH"),
+            flags=("--error-log",), metavar="PATH", reloadable=False),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}

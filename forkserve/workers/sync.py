@@ -49,6 +49,8 @@ class SyncWorker(Worker):
         self.listener_fds = {listener.fd: listener for listener in self.listeners}
         try:
             self._loop()
+            if self.state is WorkerState.STOPPING and not self.retire_reason:
+                self._drain_accept_queue()
         finally:
             for listener in self.listeners:
                 listener.sock.close()
@@ -63,6 +65,15 @@ class SyncWorker(Worker):
             self._idle()
             for fd, _ in self.main_poll.poll(heartbeat_ms):
                 self._wake(fd)
+
+    def _drain_accept_queue(self) -> None:
+        """On a graceful stop, serve the clients already queued in the kernel (each answered
+        with Connection: close) rather than let closing the listener reset them."""
+        while self.state is WorkerState.STOPPING:
+            accepted = self._accept()
+            if accepted is None:
+                return
+            self._handle(*accepted)
 
     def _idle(self) -> None:
         """About to wait for work: write out telemetry, send a heartbeat if one is due."""
