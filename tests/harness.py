@@ -76,7 +76,7 @@ class Server:
 
     def __init__(self, *args: str, app: str = "tests.apps:app", env: dict[str, str] | None = None,
                  cwd: Path | str = ROOT, json_logs: bool = True, bind: str | None = "127.0.0.1:0",
-                 workers: int = 2) -> None:
+                 workers: int = 2, pass_fds: tuple[int, ...] = ()) -> None:
         argv = [sys.executable, "-m", "forkserve"]
         if bind is not None:
             argv += ["-b", bind]
@@ -93,7 +93,7 @@ class Server:
         full_env.update(env or {})
         self.proc = subprocess.Popen(argv, cwd=str(cwd), env=full_env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+                                     start_new_session=True, pass_fds=pass_fds)
         self.pid = self.proc.pid
         self.lines: list[str] = []
         self.stdout_lines: list[str] = []
