@@ -1,10 +1,11 @@
 from __future__ import annotations
 
-from typing import Iterator
+from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
-from tests.harness import Server
+from tests.harness import Gate, Server
 
 
 @pytest.fixture
@@ -27,3 +28,17 @@ def server_factory() -> Iterator[type[Server]]:
 def server(server_factory: type[Server]) -> Server:
     """A ready two-worker server running tests.apps:app."""
     return server_factory().wait_ready()  # type: ignore[call-arg]
+
+
+@pytest.fixture
+def gates(tmp_path: Path) -> Iterator[Any]:
+    made: list[Gate] = []
+
+    def make(name: str = "gate") -> Gate:
+        gate = Gate(tmp_path / name)
+        made.append(gate)
+        return gate
+
+    yield make
+    for gate in made:
+        gate.release()

@@ -7,6 +7,7 @@ line. Teardown kills the whole process group and asserts that no process of it i
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -224,3 +225,95 @@ def raw_request(port: int, data: bytes, timeout: float = 10.0, read_until_close:
             if not read_until_close:
                 break
         return b"".join(chunks)
+
+
+# -- raw HTTP helpers and in-flight gates ---------------------------------------------------
+
+class Response:
+    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+
+def read_response(sock: socket.socket, timeout: float = 10.0) -> Response:
+    """Read one response framed by Content-Length (the test apps always send one)."""
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"connection closed before a full response head: {data!r}")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    length = int(headers.get("content-length", "0"))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"body truncated: {len(body)} of {length} bytes")
+        body += chunk
+    return Response(status, headers, body[:length])
+
+
+def send_get(port: int, path: str, close: bool = True, timeout: float = 10.0) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    extra = "Connection: close\r\n" if close else ""
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: test\r\n{extra}\r\n".encode())
+    return sock
+
+
+def get(port: int, path: str, timeout: float = 10.0) -> Response:
+    with send_get(port, path, timeout=timeout) as sock:
+        return read_response(sock, timeout)
+
+
+def closed_without_response(sock: socket.socket, timeout: float = 10.0) -> bool:
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(65536) == b""
+    except ConnectionResetError:
+        return True
+
+
+def refused(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            return False
+    except ConnectionRefusedError:
+        return True
+
+
+class Gate:
+    """A FIFO that ``/block?fifo=PATH`` waits on: the request stays in the app until released."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        os.mkfifo(path)
+        self.fd: int | None = None
+
+    @property
+    def route(self) -> str:
+        return f"/block?fifo={self.path}"
+
+    def wait_entered(self, timeout: float = 10.0) -> None:
+        """Until the app has opened the FIFO: the request is in flight, inside the app."""
+        def try_open() -> bool:
+            try:
+                self.fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # no reader yet
+                    return False
+                raise
+            return True
+        wait_for(try_open, timeout, f"a request to block on {self.path}")
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

@@ -14,7 +14,6 @@ import enum
 import os
 import random
 import signal
-import sys
 import time
 from typing import Any, Callable
 
@@ -127,15 +126,17 @@ class Worker:
         signal.set_wakeup_fd(self.wakeup_w, warn_on_full_buffer=False)
         handlers = {
             signal.SIGTERM: self._on_graceful,
-            signal.SIGINT: self._on_hard,
             signal.SIGQUIT: self._on_hard,
             signal.SIGABRT: self._on_abort,
             signal.SIGUSR1: self._on_record,
         }
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
-        for signum in (signal.SIGHUP, signal.SIGUSR2, signal.SIGTTIN, signal.SIGTTOU):
-            signal.signal(signum, signal.SIG_IGN)  # the arbiter's signals, not ours
+        # The arbiter's signals, not ours. SIGINT too: Ctrl-C in a terminal reaches the whole
+        # process group, and the arbiter turns it into a graceful stop (TERM to us); a
+        # worker acting on it directly would cut its in-flight request short.
+        for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, signal.SIGTTIN, signal.SIGTTOU):
+            signal.signal(signum, signal.SIG_IGN)
         sigs.unblock()
         self.counters.pid = os.getpid()
         _set_title(f"forkserve: worker {self.worker_id} [{self.settings.app_spec}]")

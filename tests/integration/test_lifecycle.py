@@ -6,129 +6,24 @@ every wait is a deadline-bounded ``wait_for`` or log wait.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
-from tests.harness import Server, process_group, wait_for
+from tests.harness import (Server, closed_without_response, get, process_group, read_response,
+                           refused, send_get, wait_for)
 
 APP_LOAD_ERROR = 4
 WORKER_BOOT_ERROR = 3
 
 
 # -- helpers ------------------------------------------------------------------------------------
-
-class Response:
-    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
-        self.status = status
-        self.headers = headers
-        self.body = body
-
-
-def read_response(sock: socket.socket, timeout: float = 10.0) -> Response:
-    """Read one response framed by Content-Length (the test apps always send one)."""
-    sock.settimeout(timeout)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError(f"connection closed before a full response head: {data!r}")
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
-    length = int(headers.get("content-length", "0"))
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError(f"body truncated: {len(body)} of {length} bytes")
-        body += chunk
-    return Response(status, headers, body[:length])
-
-
-def send_get(port: int, path: str, close: bool = True, timeout: float = 10.0) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-    extra = "Connection: close\r\n" if close else ""
-    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: test\r\n{extra}\r\n".encode())
-    return sock
-
-
-def get(port: int, path: str, timeout: float = 10.0) -> Response:
-    with send_get(port, path, timeout=timeout) as sock:
-        return read_response(sock, timeout)
-
-
-def closed_without_response(sock: socket.socket, timeout: float = 10.0) -> bool:
-    sock.settimeout(timeout)
-    try:
-        return sock.recv(65536) == b""
-    except ConnectionResetError:
-        return True
-
-
-def refused(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
-            return False
-    except ConnectionRefusedError:
-        return True
-
-
-class Gate:
-    """A FIFO that ``/block?fifo=PATH`` waits on: the request stays in the app until released."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        os.mkfifo(path)
-        self.fd: int | None = None
-
-    @property
-    def route(self) -> str:
-        return f"/block?fifo={self.path}"
-
-    def wait_entered(self, timeout: float = 10.0) -> None:
-        """Until the app has opened the FIFO: the request is in flight, inside the app."""
-        def try_open() -> bool:
-            try:
-                self.fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
-            except OSError as exc:
-                if exc.errno == errno.ENXIO:  # no reader yet
-                    return False
-                raise
-            return True
-        wait_for(try_open, timeout, f"a request to block on {self.path}")
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-@pytest.fixture
-def gates(tmp_path: Path) -> Iterator[Any]:
-    made: list[Gate] = []
-
-    def make(name: str = "gate") -> Gate:
-        gate = Gate(tmp_path / name)
-        made.append(gate)
-        return gate
-
-    yield make
-    for gate in made:
-        gate.release()
-
 
 def errors(server: Server) -> list[dict[str, Any]]:
     return [r for r in server.records() if r.get("level") == "ERROR"]
@@ -631,3 +526,18 @@ def test_process_titles(server: Server) -> None:
     titles = sorted(cmdline(pid) for pid in worker_set(server, 2))
     assert titles == ["forkserve: worker 1 [tests.apps:app]", "forkserve: worker 2 [tests.apps:app]"]
 
+
+
+def test_ctrl_c_to_the_whole_process_group_is_graceful(server_factory: Any, gates: Any) -> None:
+    """A terminal's Ctrl-C sends SIGINT to every process of the group, workers included: the
+    in-flight request must still complete (workers leave the decision to the arbiter)."""
+    server = server_factory().wait_ready()
+    gate = gates()
+    with send_get(server.port, gate.route) as sock:
+        gate.wait_entered()
+        os.killpg(server.pid, signal.SIGINT)
+        server.wait_log("Received shutdown signal")
+        gate.release()
+        response = read_response(sock)
+        assert response.status == 200 and response.body == b"released"
+    assert exit_code(server, 10) == 0

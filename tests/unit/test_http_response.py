@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import re
 from email.utils import parsedate_to_datetime
-from types import SimpleNamespace
 
 import pytest
 
