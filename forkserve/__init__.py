@@ -1,8 +1,21 @@
 """forkserve: a pre-fork WSGI server that never loses a request to a deploy.
 
-The public API lives here; see README.md for the command line.
+The application API:
+
+- ``forkserve.finish_request()``: the response is complete for the client now; the app goes
+  on running (also ``environ["forkserve.finish_request"]``).
+- ``forkserve.register_shutdown_function(fn, *args, **kwargs)``: run when the request ends,
+  however it ends (normally, with an exception, or cancelled at the drain deadline).
+- ``forkserve.RequestCancelled``: raised inside a request cancelled at the drain deadline.
+- ``forkserve.background.submit(fn, *args, **kwargs)``: the worker's background pool.
+- ``forkserve.telemetry.span(name, **attributes)``: record a span (``--span-log``).
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+from forkserve import background, telemetry  # noqa: E402  (public submodules)
+from forkserve.context import (RequestCancelled, finish_request,  # noqa: E402
+                               register_shutdown_function)
+
+__all__ = ["RequestCancelled", "__version__", "background", "finish_request",
+           "register_shutdown_function", "telemetry"]

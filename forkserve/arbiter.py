@@ -46,6 +46,7 @@ class WorkerHandle:
     last_seen: float = 0.0
     booted: bool = False
     stopping: bool = False  # TERM or QUIT sent, or retiring on its own
+    draining: bool = False  # it took the stop: its records now follow every change
     retiring: str = ""  # why the worker leaves on its own (max-requests)
     boot_error: str = ""
     kill_reason: str = ""
@@ -72,7 +73,9 @@ class Arbiter:
     workers: dict[int, WorkerHandle] = field(default_factory=dict)
     exit_code: int = ExitCode.OK
     reload_generation: int | None = None  # a HUP's generation still booting
-    deadline: float | None = None  # drain or cancel deadline
+    deadline: float | None = None  # the drain deadline
+    lameduck_until: float | None = None
+    next_progress: float = 0.0  # next "Draining in-flight connections" line
     respawn_after: float = 0.0
     boot_failures: int = 0
     int_count: int = 0
@@ -133,6 +136,7 @@ class Arbiter:
         return {
             "active_connections": sum(h.active_connections for h in live),
             "in_flight_requests": sum(h.in_flight_requests for h in live),
+            "background_tasks": sum(h.background_tasks for h in live),
             "workers": len(self.workers),
         }
 
@@ -140,16 +144,58 @@ class Arbiter:
     def stop(self) -> None:
         if self.state not in (State.BOOTING, State.RUNNING):
             return  # already stopping: a second TERM changes nothing
-        self.transition(Event.STOP, "Received shutdown signal, draining connections")
+        self.transition(Event.STOP, "Received shutdown signal, draining connections",
+                        lameduck=self.config.lameduck)
+        if self.state is State.LAMEDUCK:
+            # Still serving and accepting; readiness already fails, so load balancers can take
+            # this instance out before it stops accepting.
+            self.lameduck_until = time.monotonic() + self.config.lameduck
+            if self.config.lameduck > 0:
+                return
+            self.lameduck_until = None
+        self.begin_drain()
+
+    def begin_drain(self) -> None:
+        """Stop accepting (workers serve what is queued, then close), drain what is in flight."""
+        if self.state is State.LAMEDUCK:
+            self.lameduck_until = None
+            self.transition(Event.LAMEDUCK_OVER, "Stopped accepting; draining in-flight work")
         for listener in self.listeners:
-            listener.sock.close()  # the workers hold the accept queue until they stop
-        self.deadline = time.monotonic() + self.config.drain_timeout
+            listener.sock.close()  # the workers hold the accept queue until they drained it
+        now = time.monotonic()
+        self.deadline = now + self.config.drain_timeout
+        self.next_progress = now + 1.0
         self.signal_workers(signal.SIGTERM, list(self.workers.values()))
+        self.check_drained()
+
+    def cancel(self) -> None:
+        """The drain deadline: cancel what still runs, give it the cancel grace, then kill."""
+        totals = self.totals()
+        self.transition(Event.DEADLINE, "Drain timeout reached, cancelling in-flight requests",
+                        level="warning", remaining_connections=totals["active_connections"])
+        when = time.monotonic() + self.config.cancel_grace
+        for handle in self.workers.values():
+            self.send(handle, signal.SIGUSR2)
+            self.escalate(handle, when, signal.SIGKILL)
+        self.check_drained()
+
+    def check_drained(self) -> None:
+        """Event-driven from the counters: nothing in flight in any worker that took the stop."""
+        if self.state not in (State.DRAINING, State.CANCELLING):
+            return
+        if self.workers:
+            if not all(h.draining for h in self.workers.values()):
+                return  # a worker's numbers are not live yet
+            totals = self.totals()
+            if totals["active_connections"] or totals["in_flight_requests"] or totals["background_tasks"]:
+                return
+        self.transition(Event.DRAINED, "All connections drained")
         self.check_gone()
 
     def interrupt(self) -> None:
         self.int_count += 1
-        if self.int_count > 1 and self.state in (State.DRAINING, State.CANCELLING):
+        if self.int_count > 1 and self.state in (State.LAMEDUCK, State.DRAINING, State.CANCELLING,
+                                                 State.FLUSHING):
             self.halt()
         else:
             self.stop()
@@ -291,11 +337,14 @@ class Arbiter:
             self.check_booted()
         elif record.kind is Kind.BOOT_ERROR:
             handle.boot_error = record.text
+        elif record.kind is Kind.DRAINING:
+            handle.draining = True
         elif record.kind is Kind.RETIRING:
             handle.retiring = record.text
             handle.stopping = True
             self.escalate(handle, now + self.config.drain_timeout, signal.SIGQUIT)
             self.spawn_missing(now)  # its replacement boots while it finishes
+        self.check_drained()
 
     def check_booted(self) -> None:
         generation = self.current()
@@ -380,7 +429,8 @@ class Arbiter:
         signum = handle.escalate_signal
         handle.escalate_at = None
         if signum == signal.SIGKILL:
-            self.log.error(f"{handle.describe()} did not stop; sending SIGKILL")
+            self.log.error(f"{handle.describe()} did not stop in time; killed with SIGKILL",
+                           state=self.state.value)
             handle.kill_reason = handle.kill_reason or "a SIGKILL (it did not stop in time)"
         else:
             self.log.warning(f"{handle.describe()} still busy after the drain timeout; "
@@ -389,7 +439,11 @@ class Arbiter:
         self.send(handle, signum)
 
     def check_gone(self) -> None:
-        if not self.workers and self.state in (State.DRAINING, State.CANCELLING, State.HALTING):
+        if self.workers:
+            return
+        if self.state in (State.DRAINING, State.CANCELLING):
+            self.check_drained()  # logs "All connections drained", then comes back here
+        elif self.state in (State.FLUSHING, State.HALTING):
             self.transition(Event.WORKERS_GONE, "All workers stopped")
 
     # -- deadlines -------------------------------------------------------------------------
@@ -397,6 +451,10 @@ class Arbiter:
         deadlines = []
         if self.deadline is not None:
             deadlines.append(self.deadline)
+        if self.lameduck_until is not None:
+            deadlines.append(self.lameduck_until)
+        if self.state in (State.DRAINING, State.CANCELLING):
+            deadlines.append(self.next_progress)
         timeout = self.config.timeout
         for handle in self.workers.values():
             if handle.escalate_at is not None:
@@ -422,12 +480,16 @@ class Arbiter:
                 handle.kill_reason = f"a timeout ({timeout:g}s without a {what})"
                 self.send(handle, signal.SIGABRT)
                 self.escalate(handle, now + KILL_GRACE, signal.SIGKILL)
+        if self.lameduck_until is not None and now >= self.lameduck_until:
+            self.begin_drain()
+        if self.state in (State.DRAINING, State.CANCELLING) and now >= self.next_progress:
+            self.next_progress = now + 1.0
+            self.log.info("Draining in-flight connections", state=self.state.value,
+                          **self.totals())
         if self.deadline is not None and now >= self.deadline:
             self.deadline = None
-            if self.state is State.DRAINING:
-                self.transition(Event.DEADLINE, "Drain timeout reached, stopping remaining workers",
-                                level="warning")
-                self.halt_workers()
+            if self.state in (State.DRAINING, State.FLUSHING):
+                self.cancel()
         if self.state in (State.BOOTING, State.RUNNING):
             self.spawn_missing(now)
 

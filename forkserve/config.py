@@ -176,6 +176,25 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("drain_timeout", _seconds, 25.0,
             "on TERM/INT, seconds to let in-flight requests finish before they are stopped",
             flags=("--drain-timeout",), aliases=("--graceful-timeout",), metavar="SECONDS"),
+    Setting("lameduck", _seconds, 0.0,
+            "on TERM/INT, seconds to keep serving and accepting (readiness already failing) so "
+            "load balancers stop sending before accepting stops",
+            flags=("--lameduck",), metavar="SECONDS"),
+    Setting("cancel_grace", _seconds, 2.0,
+            "after the drain timeout, seconds cancelled requests get for their shutdown "
+            "functions before a stuck worker is killed",
+            flags=("--cancel-grace",), metavar="SECONDS"),
+    Setting("max_connections", _int(1), 1000,
+            "most connections a worker holds at once; beyond it they wait in the listen backlog "
+            "(a sync worker holds one, plus one parked keep-alive connection)",
+            flags=("--max-connections",), metavar="N"),
+    Setting("background_threads", _int(1), 2,
+            "threads of each worker's background pool (forkserve.background.submit)",
+            flags=("--background-threads",), metavar="N"),
+    Setting("span_log", _optional_text, None,
+            "write spans recorded with forkserve.telemetry.span to this file, one JSON object "
+            "per line (off by default)",
+            flags=("--span-log",), metavar="PATH"),
     Setting("max_requests", _int(0), 0, "restart a worker after this many requests; 0 disables",
             flags=("--max-requests",), metavar="N"),
     Setting("max_requests_jitter", _int(0), 0, "add up to this many requests at random per worker",

@@ -27,6 +27,7 @@ class Kind(enum.IntEnum):
     SNAPSHOT = 2  # counters + heartbeat
     BOOT_ERROR = 3  # loading the app failed; followed by an error text
     RETIRING = 4  # the worker is leaving on its own (max-requests, ...); reason text follows
+    DRAINING = 5  # the worker took the stop: from now on it reports every counter change
 
 
 class ExitCode(enum.IntEnum):

@@ -245,7 +245,7 @@ class Exchange:
 
     __slots__ = ("transport", "request", "dates", "status", "status_code", "headers",
                  "headers_sent", "content_length", "chunked", "no_body", "close", "sent",
-                 "bytes_sent", "framing_broken")
+                 "bytes_sent", "framing_broken", "finished")
 
     def __init__(self, transport: Transport, request: Request, dates: DateCache) -> None:
         self.transport = transport
@@ -262,6 +262,7 @@ class Exchange:
         self.sent = 0  # body bytes of this response written so far
         self.bytes_sent = 0  # as the access log counts them (body bytes)
         self.framing_broken = False
+        self.finished = False  # the response is complete (the end, or finish_request)
 
     # PEP 3333 start_response -----------------------------------------------------------
     def start_response(self, status: str, headers: list[tuple[str, str]],
@@ -372,6 +373,8 @@ class Exchange:
 
     def write(self, data: bytes) -> None:
         """The write() callable, and each item of the app's iterable."""
+        if self.finished:
+            return  # after finish_request() output is dropped, as in PHP-FPM
         if type(data) is not bytes:
             if not isinstance(data, (bytearray, memoryview)):
                 raise AppError(f"the application yielded {type(data).__name__}, not bytes")
@@ -389,7 +392,11 @@ class Exchange:
 
     def send_whole(self, body: bytes) -> None:
         """The whole body known at once (a list or tuple): one send, with a Content-Length."""
+        if self.finished:
+            return
+        self.finished = True
         if self.headers_sent:
+            self.finished = False
             self.write(body)
             self.finish()
             return
@@ -427,6 +434,9 @@ class Exchange:
 
     def finish(self) -> None:
         """The iterable is exhausted: send headers if none went yet, and the last chunk."""
+        if self.finished:
+            return
+        self.finished = True
         if not self.headers_sent:
             self.transport.send(self._head(0) + self._tail())
             return

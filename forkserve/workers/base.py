@@ -13,24 +13,30 @@ from __future__ import annotations
 import enum
 import os
 import random
+import select
 import signal
+import socket
+import struct
 import time
 from typing import Any, Callable
 
 from forkserve import signals as sigs
+from forkserve.background import BackgroundPool
+from forkserve.context import RequestCancelled, RequestContext
 from forkserve.counters import ExitCode, Kind, Writer
 from forkserve.http import Limits
 from forkserve.loader import AppLoadError, load_app
 from forkserve.logs import Log
 from forkserve.sockets import Listener
-from forkserve.telemetry import AccessLog
+from forkserve.telemetry import AccessLog, SpanLog
 
 
 class WorkerState(enum.Enum):
     BOOTING = "booting"
     RUNNING = "running"
-    STOPPING = "stopping"  # TERM, arbiter gone, or retiring: finish the current request, leave
-    HALTING = "halting"  # QUIT/INT: leave now
+    STOPPING = "stopping"  # TERM, arbiter gone, or retiring: finish what is in flight, leave
+    CANCELLED = "cancelled"  # the drain deadline passed (USR2): cancel what runs, flush, leave
+    HALTING = "halting"  # QUIT, or the arbiter's timeout kill: leave now
 
 
 class HardStop(BaseException):
@@ -54,6 +60,9 @@ class WorkerSettings:
         self.max_requests: int = config.max_requests
         self.max_requests_jitter: int = config.max_requests_jitter
         self.access_log: str | None = config.access_log
+        self.span_log: str | None = config.span_log
+        self.background_threads: int = config.background_threads
+        self.cancel_grace: float = config.cancel_grace
         self.limits = Limits(config.limit_request_line, config.limit_request_fields,
                              config.limit_request_field_size, config.limit_request_body)
 
@@ -75,7 +84,11 @@ class Worker:
         self.counters = Writer(counter_fd, worker_id)
         self.state = WorkerState.BOOTING
         self.access_log: AccessLog | None = None
+        self.spans: SpanLog | None = None
+        self.pool: BackgroundPool | None = None
         self.in_request = False
+        self.busy = False  # inside a connection (the loop cannot act on a signal right now)
+        self.cancellable: RequestContext | None = None  # the request a cancel would hit
         self.timed_out = False
         self.retire_reason = ""
         # Heartbeats: often enough that the arbiter's timeout has several to see.
@@ -99,6 +112,7 @@ class Worker:
                 if self.state is WorkerState.BOOTING:
                     self.state = WorkerState.RUNNING
                 self.serve()
+                self.wind_down()
         except HardStop as exc:
             if self.timed_out:
                 # The traceback of HardStop is where the worker was stuck: worth a look.
@@ -112,6 +126,7 @@ class Worker:
             self.log.exception(f"Worker {self.worker_id} crashed", exc)
             code = ExitCode.ERROR
         finally:
+            self._close_pool()
             self._flush_telemetry()
         os._exit(code)
 
@@ -130,18 +145,23 @@ class Worker:
             signal.SIGABRT: self._on_abort,
             signal.SIGUSR1: self._on_record,
         }
+        handlers[signal.SIGUSR2] = self._on_cancel
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
         # The arbiter's signals, not ours. SIGINT too: Ctrl-C in a terminal reaches the whole
         # process group, and the arbiter turns it into a graceful stop (TERM to us); a
         # worker acting on it directly would cut its in-flight request short.
-        for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, signal.SIGTTIN, signal.SIGTTOU):
+        for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU):
             signal.signal(signum, signal.SIG_IGN)
         sigs.unblock()
         self.counters.pid = os.getpid()
         _set_title(f"forkserve: worker {self.worker_id} [{self.settings.app_spec}]")
         if self.settings.access_log:
             self.access_log = AccessLog(self.settings.access_log)
+        if self.settings.span_log:
+            self.spans = SpanLog(self.settings.span_log)
+        self.pool = BackgroundPool(self.settings.background_threads, self.counters, self.log,
+                                   self._pool_changed)
 
     def _boot(self) -> bool:
         if self.app is None:
@@ -160,11 +180,31 @@ class Worker:
         raise NotImplementedError
 
     # -- signal handlers ------------------------------------------------------------------
-    # -- runs in a signal handler: record only (the wakeup fd wakes the loop). The single
-    # exception is HardStop, raised only while a request is live, like a cancellation.
+    # -- runs in a signal handler: record and wake the loop (the wakeup fd does that). The
+    # documented exceptions, each needed because a busy sync worker's loop cannot act until
+    # its request ends:
+    #  - TERM writes one atomic record (the arbiter learns this worker's live counters at
+    #    once) and, when the worker is inside a connection and its accept queues are empty,
+    #    closes its own listening sockets, so new clients are refused now, not at the end of
+    #    this request (no queued client can be reset: the queues are empty);
+    #  - USR2 (the drain deadline) raises RequestCancelled inside the live request;
+    #  - QUIT and the arbiter's timeout kill raise HardStop inside the live request.
     def _on_graceful(self, signum: int, frame: Any) -> None:
         if self.state in (WorkerState.BOOTING, WorkerState.RUNNING):
             self.state = WorkerState.STOPPING
+        self.counters.send(Kind.DRAINING)
+        if self.busy:
+            for listener in self.listeners:
+                if listener.sock.fileno() >= 0 and accept_queue_empty(listener):
+                    listener.sock.close()
+
+    def _on_cancel(self, signum: int, frame: Any) -> None:
+        if self.state is not WorkerState.HALTING:
+            self.state = WorkerState.CANCELLED
+        context = self.cancellable
+        if context is not None and not context.cancelled:
+            context.cancelled = True
+            raise RequestCancelled("cancelled: the drain timeout passed")
 
     def _on_hard(self, signum: int, frame: Any) -> None:
         self.state = WorkerState.HALTING
@@ -197,6 +237,64 @@ class Worker:
             self.state = WorkerState.STOPPING
             self.log.warning("Arbiter is gone; worker stopping", worker=self.worker_id)
 
+    @property
+    def draining(self) -> bool:
+        return self.state is not WorkerState.RUNNING
+
+    def report(self) -> None:
+        """After a counter changed: while draining, the arbiter hears of every change (its
+        drain decision is event-driven); while running, heartbeats carry the numbers."""
+        if self.state is not WorkerState.RUNNING:
+            self.counters.snapshot()
+
+    def _pool_changed(self) -> None:
+        # -- runs in a pool thread: a task was queued or finished.
+        if self.state is not WorkerState.RUNNING:
+            self.counters.snapshot()
+        try:
+            os.write(self.wakeup_w, b"\0")  # wakes a worker waiting for its pool to empty
+        except BlockingIOError:
+            return  # the pipe is full, so the loop is awake anyway
+
+    def wind_down(self) -> None:
+        """The loop has stopped taking work: wait for background tasks (unless cancelled),
+        reporting and heart-beating meanwhile; then the pool is closed in run_child."""
+        pool = self.pool
+        if pool is None:
+            return
+        poller = select.poll()
+        poller.register(self.wakeup_r, select.POLLIN)
+        poller.register(self.alive_fd, select.POLLIN)
+        self.counters.snapshot()
+        while self.state is WorkerState.STOPPING and not pool.idle:
+            now = time.monotonic()
+            if now >= self.next_heartbeat:
+                self.heartbeat(now)
+            for fd, _ in poller.poll(self.heartbeat_interval * 1000.0):
+                if fd == self.wakeup_r:
+                    self.handle_wakeups()
+                else:
+                    self.arbiter_gone()
+                    poller.unregister(self.alive_fd)
+
+    def _close_pool(self) -> None:
+        """Report tasks that never started; give running ones until the cancel grace."""
+        pool = self.pool
+        if pool is None:
+            return
+        pool.close()
+        deadline = time.monotonic() + self.settings.cancel_grace * 0.75
+        while not pool.idle and time.monotonic() < deadline:
+            try:
+                select.select([self.wakeup_r], [], [], max(deadline - time.monotonic(), 0))
+                os.read(self.wakeup_r, 4096)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except HardStop:
+                break
+        for name in pool.running():
+            self.log.warning("Background task still running at exit", task=name)
+
     def heartbeat(self, now: float) -> None:
         self.next_heartbeat = now + self.heartbeat_interval
         self.counters.snapshot()
@@ -213,6 +311,22 @@ class Worker:
     def _flush_telemetry(self) -> None:
         if self.access_log is not None:
             self.access_log.close()
+            self.access_log = None
+        if self.spans is not None:
+            self.spans.close()
+            self.spans = None
+
+
+def accept_queue_empty(listener: Listener) -> bool:
+    """For a TCP listener, TCP_INFO's ``tcpi_unacked`` is the accept queue's length (Linux).
+    Unknown (a unix socket) counts as not empty: then the loop drains it after the request."""
+    if listener.sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return False
+    try:
+        info = listener.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    except OSError:
+        return False
+    return bool(struct.unpack_from("I", info, 24)[0] == 0)
 
 
 def _set_title(title: str) -> None:

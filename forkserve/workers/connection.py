@@ -33,7 +33,7 @@ class Timeout(Exception):
 
 class Connection:
     __slots__ = ("sock", "fd", "remote", "parser", "events", "io_timeout", "exchange",
-                 "continue_sent", "received", "_poll", "closed", "should_close")
+                 "continue_sent", "received", "_poll", "closed", "should_close", "released")
 
     def __init__(self, sock: socket.socket, remote: tuple[str, str], limits: Limits,
                  io_timeout: float) -> None:
@@ -49,6 +49,7 @@ class Connection:
         self.received = False  # any byte of the current request head seen
         self._poll: select.poll | None = None
         self.closed = False
+        self.released = False  # finish_request() ended the response early
         self.should_close = _never
 
     # -- waiting -------------------------------------------------------------------------
@@ -205,6 +206,13 @@ class Connection:
             total += sent
         return total
 
+    def end_output(self) -> None:
+        """Half-close: the client sees the end of the response now (finish_request)."""
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            return  # already gone; nothing more to tell the client
+
     def close(self, linger: bool = False) -> None:
         """Close; with ``linger``, first half-close and drain what the client still sends.
 
@@ -224,7 +232,8 @@ class Connection:
             return
 
     def _linger(self) -> None:
-        self.sock.shutdown(socket.SHUT_WR)
+        if not self.released:
+            self.sock.shutdown(socket.SHUT_WR)
         deadline = time.monotonic() + 1.0
         dropped = 0
         while dropped < 4 * RECV_SIZE:

@@ -15,6 +15,7 @@ import socket
 import time
 from typing import Any
 
+from forkserve.context import CURRENT, RequestCancelled, RequestContext
 from forkserve.http import HTTPError, Request
 from forkserve.http.response import DateCache, reason_phrase, simple_response
 from forkserve.sockets import Listener
@@ -79,6 +80,8 @@ class SyncWorker(Worker):
         """About to wait for work: write out telemetry, send a heartbeat if one is due."""
         if self.access_log is not None:
             self.access_log.flush()
+        if self.spans is not None:
+            self.spans.flush()
         now = time.monotonic()
         if now >= self.next_heartbeat:
             self.heartbeat(now)
@@ -91,6 +94,8 @@ class SyncWorker(Worker):
 
     def _accept(self) -> tuple[socket.socket, Any, Listener] | None:
         for listener in self.listeners:
+            if listener.sock.fileno() < 0:
+                continue  # closed at the stop signal (see Worker._on_graceful)
             try:
                 sock, addr = listener.sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -119,6 +124,7 @@ class SyncWorker(Worker):
         base = self.environs[listener.fd]
         counters = self.counters
         counters.active_connections += 1
+        self.busy = True
         linger = False
         try:
             while True:
@@ -145,8 +151,11 @@ class SyncWorker(Worker):
         except ClientGone:
             return
         finally:
+            self.busy = self.parked > 0
             conn.close(linger)
-            counters.active_connections -= 1
+            if not conn.released:
+                counters.active_connections -= 1
+                self.report()
 
     def _wait_idle(self, conn: Connection) -> bool:
         """Between requests on a kept-alive connection. True when the client sent more.
@@ -209,24 +218,36 @@ class SyncWorker(Worker):
         counters.in_flight_requests += 1
         exchange = Exchange(conn, request, self.dates)
         conn.exchange = exchange
+        context = RequestContext(lambda: self._finish_early(conn, exchange), self.pool, self.spans)
         wsgi_input = Input(conn if request.has_body else None)
         environ = build_environ(request, base, self.keys, conn.remote, wsgi_input)
+        environ["forkserve.finish_request"] = context.finish
         status = 0
         keep = False
+        token = CURRENT.set(context)
         self.in_request = True
         try:
+            self.cancellable = context
             keep = self._run_app(conn, exchange, environ)
             status = exchange.status_code
         except ClientGone:
             status = exchange.status_code or 499
         except HTTPError as exc:  # from wsgi.input: a body over --limit-request-body
             status = self._fail(conn, exchange, exc.status, exc.reason, None)
+        except RequestCancelled as exc:
+            self.log.warning("Request cancelled", reason=exc.reason, method=request.method,
+                             target=environ["RAW_URI"], worker=self.worker_id)
+            status = self._fail(conn, exchange, 503, "Service Unavailable", None)
         except Exception as exc:
             status = self._fail(conn, exchange, 500, "Internal Server Error", exc)
         finally:
+            self.cancellable = None
             self.in_request = False
+            context.run_shutdown_functions(self.log)
+            CURRENT.reset(token)
             counters.in_flight_requests -= 1
             conn.exchange = None
+            self.report()
         if exchange.framing_broken:
             self.log.error("Response body did not match its Content-Length; connection closed",
                            method=request.method, target=environ["RAW_URI"],
@@ -237,10 +258,25 @@ class SyncWorker(Worker):
                 conn.remote[0], request.method, environ["RAW_URI"], environ["SERVER_PROTOCOL"],
                 status, exchange.sent, environ.get("HTTP_REFERER"), environ.get("HTTP_USER_AGENT"),
                 started, time.time() - started)
+        if self.spans is not None:
+            self.spans.flush_if_due()
         now = time.monotonic()
         if now >= self.next_heartbeat:
             self.heartbeat(now)
-        return keep and conn.discard_body(request)
+        return keep and not conn.released and conn.discard_body(request)
+
+    def _finish_early(self, conn: Connection, exchange: Exchange) -> None:
+        """forkserve.finish_request(): the response ends for the client now. A sync worker
+        cannot serve this connection again while the app works on, so it is closed (the
+        client sees the end of the body and the close at once)."""
+        if conn.released:
+            return
+        exchange.close = True
+        exchange.finish()
+        conn.end_output()
+        conn.released = True
+        self.counters.active_connections -= 1
+        self.report()
 
     def _run_app(self, conn: Connection, exchange: Exchange, environ: dict[str, Any]) -> bool:
         result = self.app(environ, exchange.start_response)  # type: ignore[misc]

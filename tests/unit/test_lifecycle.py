@@ -77,8 +77,15 @@ def test_the_normal_lives() -> None:
             state = next_state(state, event)
         return state
 
-    assert run(Event.BOOTED, Event.STOP, Event.WORKERS_GONE) is State.STOPPED
-    assert run(Event.BOOTED, Event.STOP, Event.DEADLINE, Event.WORKERS_GONE) is State.STOPPED
+    assert run(Event.BOOTED, Event.STOP, Event.LAMEDUCK_OVER, Event.DRAINED,
+               Event.WORKERS_GONE) is State.STOPPED
+    assert run(Event.BOOTED, Event.STOP, Event.LAMEDUCK_OVER, Event.DEADLINE, Event.DRAINED,
+               Event.WORKERS_GONE) is State.STOPPED
+    assert run(Event.BOOTED, Event.STOP, Event.LAMEDUCK_OVER, Event.DEADLINE,
+               Event.WORKERS_GONE) is State.STOPPED
     assert run(Event.BOOTED, Event.STOP, Event.HARD_STOP, Event.WORKERS_GONE) is State.STOPPED
+    assert run(Event.BOOTED, Event.STOP, Event.LAMEDUCK_OVER, Event.HARD_STOP,
+               Event.WORKERS_GONE) is State.STOPPED
+    assert run(Event.STOP, Event.DRAINED, Event.WORKERS_GONE) is State.STOPPED
     assert run(Event.BOOT_FAILED, Event.WORKERS_GONE) is State.STOPPED
     assert run(Event.BOOTED, Event.HARD_STOP, Event.WORKERS_GONE) is State.STOPPED

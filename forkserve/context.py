@@ -1,0 +1,87 @@
+"""The request context: finish_request, shutdown functions and cancellation.
+
+Owns: :class:`RequestContext` (one per request), the ``ContextVar`` that finds the current one
+(per thread in the thread worker, per greenlet in the gevent worker), and
+:class:`RequestCancelled`. Imports only the standard library and forkserve.logs.
+
+- ``finish_request()`` ends the response for the client now (PHP-FPM's
+  ``fastcgi_finish_request``); the request stays in flight until the app returns.
+- ``register_shutdown_function(fn, *args, **kwargs)``: run when the request ends — normally,
+  with an exception, or cancelled at the drain deadline — in registration order; an
+  exception in one is logged and the next still runs.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from typing import Any, Callable
+
+from forkserve.logs import Log
+
+
+class RequestCancelled(BaseException):
+    """Raised inside a request cancelled at the drain deadline (like trio's ``Cancelled``).
+
+    A BaseException, so that an app's ``except Exception`` does not swallow it; its shutdown
+    functions still run.
+    """
+
+    def __init__(self, reason: str = "cancelled at the drain deadline") -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class NoRequest(RuntimeError):
+    """forkserve.finish_request() or register_shutdown_function() outside a request."""
+
+
+class RequestContext:
+    __slots__ = ("finisher", "functions", "finished", "cancelled", "pool", "spans")
+
+    def __init__(self, finisher: Callable[[], None], pool: Any = None, spans: Any = None) -> None:
+        self.finisher = finisher
+        self.pool = pool  # the worker's BackgroundPool (forkserve.background.submit)
+        self.spans = spans  # the worker's span sink, or None (forkserve.telemetry.span)
+        self.functions: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
+        self.finished = False
+        self.cancelled = False
+
+    def finish(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.finisher()
+
+    def run_shutdown_functions(self, log: Log) -> None:
+        functions, self.functions = self.functions, []
+        for fn, args, kwargs in functions:
+            try:
+                fn(*args, **kwargs)
+            except Exception as exc:
+                log.exception(f"Shutdown function {_name(fn)} failed", exc)
+            except RequestCancelled as exc:
+                # Cancelled while cleaning up (a second cancel): stop this one, run the rest.
+                log.exception(f"Shutdown function {_name(fn)} was cancelled", exc)
+
+
+CURRENT: ContextVar[RequestContext | None] = ContextVar("forkserve_request", default=None)
+
+
+def current() -> RequestContext:
+    context = CURRENT.get()
+    if context is None:
+        raise NoRequest("not inside a request served by forkserve")
+    return context
+
+
+def finish_request() -> None:
+    """The response is complete for the client now; the app may go on working."""
+    current().finish()
+
+
+def register_shutdown_function(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Run ``fn(*args, **kwargs)`` when the current request ends, however it ends."""
+    current().functions.append((fn, args, kwargs))
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
