@@ -17,7 +17,7 @@ import threading
 from collections import deque
 from typing import Any, Callable
 
-from forkserve.context import current
+from forkserve.context import CURRENT, RequestContext, current
 from forkserve.counters import Writer
 from forkserve.logs import Log
 
@@ -27,8 +27,10 @@ class PoolClosed(RuntimeError):
 
 
 class BackgroundPool:
-    def __init__(self, threads: int, counters: Writer, log: Log, notify: Callable[[], None]) -> None:
+    def __init__(self, threads: int, counters: Writer, log: Log, notify: Callable[[], None],
+                 spans: Any = None) -> None:
         self.size = threads
+        self.spans = spans  # tasks record spans into the worker's sink, as requests do
         self.counters = counters
         self.log = log
         self.notify = notify
@@ -62,11 +64,17 @@ class BackgroundPool:
                     return
                 fn, args, kwargs = self._queue.popleft()
                 self._running[me] = _name(fn)
+            # A task runs in a context of its own: spans go to the worker's sink, and shutdown
+            # functions it registers run when it ends.
+            context = RequestContext(_nothing, self, self.spans)
+            token = CURRENT.set(context)
             try:
                 fn(*args, **kwargs)
             except BaseException as exc:  # a task's failure is logged, never kills the pool
                 self.log.exception(f"Background task {_name(fn)} failed", exc)
             finally:
+                context.run_shutdown_functions(self.log)
+                CURRENT.reset(token)
                 with self._lock:
                     del self._running[me]
                     self.counters.background_tasks -= 1
@@ -100,6 +108,10 @@ def submit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
     if pool is None:
         raise PoolClosed("this worker has no background pool")
     pool.submit(fn, *args, **kwargs)
+
+
+def _nothing() -> None:
+    return None  # finish_request() in a background task: there is no response to finish
 
 
 def _name(fn: Callable[..., Any]) -> str:

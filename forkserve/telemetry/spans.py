@@ -36,9 +36,10 @@ class SpanLog:
         if not self._spans:
             return
         self._next_flush = time.monotonic() + 1.0
+        # Swapped, not cleared: background threads may emit while this runs.
+        spans, self._spans = self._spans, []
         data = "".join(json.dumps(r, default=str, separators=(",", ":")) + "\n"
-                       for r in self._spans).encode("utf-8")
-        self._spans.clear()
+                       for r in spans).encode("utf-8")
         while data:
             data = data[os.write(self.fd, data):]
 

@@ -89,6 +89,7 @@ class Worker:
         self.in_request = False
         self.busy = False  # inside a connection (the loop cannot act on a signal right now)
         self.cancellable: RequestContext | None = None  # the request a cancel would hit
+        self.parked: list[Any] = []  # idle keep-alive connections set aside (sync worker)
         self.timed_out = False
         self.retire_reason = ""
         # Heartbeats: often enough that the arbiter's timeout has several to see.
@@ -161,7 +162,7 @@ class Worker:
         if self.settings.span_log:
             self.spans = SpanLog(self.settings.span_log)
         self.pool = BackgroundPool(self.settings.background_threads, self.counters, self.log,
-                                   self._pool_changed)
+                                   self._pool_changed, self.spans)
 
     def _boot(self) -> bool:
         if self.app is None:
@@ -184,7 +185,7 @@ class Worker:
     # documented exceptions, each needed because a busy sync worker's loop cannot act until
     # its request ends:
     #  - TERM writes one atomic record (the arbiter learns this worker's live counters at
-    #    once) and, when the worker is inside a connection and its accept queues are empty,
+    #    once), half-closes parked idle keep-alive connections, and, when the worker is inside a connection and its accept queues are empty,
     #    closes its own listening sockets, so new clients are refused now, not at the end of
     #    this request (no queued client can be reset: the queues are empty);
     #  - USR2 (the drain deadline) raises RequestCancelled inside the live request;
@@ -193,6 +194,8 @@ class Worker:
         if self.state in (WorkerState.BOOTING, WorkerState.RUNNING):
             self.state = WorkerState.STOPPING
         self.counters.send(Kind.DRAINING)
+        for conn in self.parked:
+            conn.end_output()  # idle keep-alive clients see the close now (drain step 3)
         if self.busy:
             for listener in self.listeners:
                 if listener.sock.fileno() >= 0 and accept_queue_empty(listener):

@@ -37,7 +37,6 @@ class SyncWorker(Worker):
         for listener in self.listeners:
             name, port = listener.server_name_port()
             self.environs[listener.fd] = base_environ(name, port, errors)
-        self.parked = 0  # idle keep-alive connections set aside while a newcomer is served
         # The listeners alone: the zero-timeout "is anyone waiting?" check.
         self.waiting_poll = select.poll()
         # Everything that can end a wait: listeners, signals, the arbiter's death.
@@ -109,7 +108,7 @@ class SyncWorker(Worker):
 
     def _should_close(self) -> bool:
         """Asked as a response head is written: close rather than keep this client alive?"""
-        return (self.state is not RUNNING or self.parked > 0 or self.settings.keepalive <= 0
+        return (self.state is not RUNNING or bool(self.parked) or self.settings.keepalive <= 0
                 or bool(self.waiting_poll.poll(0)))
 
     # -- one connection --------------------------------------------------------------------
@@ -151,7 +150,7 @@ class SyncWorker(Worker):
         except ClientGone:
             return
         finally:
-            self.busy = self.parked > 0
+            self.busy = bool(self.parked)
             conn.close(linger)
             if not conn.released:
                 counters.active_connections -= 1
@@ -191,11 +190,11 @@ class SyncWorker(Worker):
                 else:
                     self._wake(fd)
             if newcomer is not None:
-                self.parked += 1
+                self.parked.append(conn)
                 try:
                     self._handle(*newcomer)
                 finally:
-                    self.parked -= 1
+                    self.parked.remove(conn)
         return False
 
     def _refuse(self, conn: Connection, status: int, reason: str) -> None:
