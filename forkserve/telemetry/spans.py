@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -58,6 +59,73 @@ class SpanLog:
         self.flush()
         os.close(self.fd)
         self.fd = -1
+
+
+class OpenTelemetrySink:
+    """The app's OpenTelemetry SDK tracer provider, as a sink.
+
+    Apps that use OpenTelemetry configure a global ``TracerProvider`` whose
+    ``BatchSpanProcessor`` buffers spans in the worker and exports them every few seconds: a
+    worker that exits without ``force_flush`` loses the last batch. Whenever the app has
+    imported the SDK, this sink records ``forkserve.telemetry.span`` spans into that provider
+    and flushes (then shuts down) the provider before the worker exits.
+    """
+
+    def __init__(self) -> None:
+        from opentelemetry import trace
+
+        self._trace = trace
+
+    @staticmethod
+    def wanted() -> bool:
+        return "opentelemetry.sdk.trace" in sys.modules
+
+    def emit(self, record: dict[str, Any]) -> None:
+        tracer = self._trace.get_tracer("forkserve")
+        attributes = {k: v if isinstance(v, (str, bool, int, float)) else str(v)
+                      for k, v in record["attributes"].items()}
+        otel_span = tracer.start_span(record["name"], start_time=int(record["start"] * 1e9),
+                                      attributes=attributes)
+        otel_span.end(end_time=int(record["end"] * 1e9))
+
+    def flush(self) -> None:
+        """While serving, the SDK's processor exports on its own schedule (a force_flush
+        here would block the worker on the exporter's network calls)."""
+        return None
+
+    def close(self) -> None:
+        provider = self._trace.get_tracer_provider()
+        force_flush = getattr(provider, "force_flush", None)
+        if force_flush is not None:
+            force_flush(5000)
+        shutdown = getattr(self._trace.get_tracer_provider(), "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+class Sinks:
+    """Several span sinks behind one: emit to each, flush and close each."""
+
+    def __init__(self, sinks: list[Any]) -> None:
+        self.sinks = sinks
+
+    def emit(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.emit(record)
+
+    def flush(self) -> None:
+        for sink in self.sinks:
+            sink.flush()
+
+    def flush_if_due(self) -> None:
+        for sink in self.sinks:
+            due = getattr(sink, "flush_if_due", None)
+            if due is not None:
+                due()
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
 
 
 class Span:

@@ -29,6 +29,7 @@ from forkserve.loader import AppLoadError, load_app
 from forkserve.logs import Log
 from forkserve.sockets import Listener
 from forkserve.telemetry import AccessLog, SpanLog
+from forkserve.telemetry.spans import OpenTelemetrySink, Sinks
 
 
 class WorkerState(enum.Enum):
@@ -84,7 +85,7 @@ class Worker:
         self.counters = Writer(counter_fd, worker_id)
         self.state = WorkerState.BOOTING
         self.access_log: AccessLog | None = None
-        self.spans: SpanLog | None = None
+        self.spans: Sinks | None = None
         self.pool: BackgroundPool | None = None
         self.in_request = False
         self.busy = False  # inside a connection (the loop cannot act on a signal right now)
@@ -159,8 +160,6 @@ class Worker:
         _set_title(f"forkserve: worker {self.worker_id} [{self.settings.app_spec}]")
         if self.settings.access_log:
             self.access_log = AccessLog(self.settings.access_log)
-        if self.settings.span_log:
-            self.spans = SpanLog(self.settings.span_log)
         self.pool = BackgroundPool(self.settings.background_threads, self.counters, self.log,
                                    self._pool_changed, self.spans)
 
@@ -173,9 +172,23 @@ class Worker:
                 if self.log.enabled(10) and exc.__cause__ is not None:
                     self.log.exception("Application load failed", exc.__cause__)
                 return False
+        self._open_span_sinks()
         self.counters.send(Kind.BOOTED)
         self.next_heartbeat = time.monotonic() + self.heartbeat_interval
         return True
+
+    def _open_span_sinks(self) -> None:
+        """After the app is loaded: it may have set up OpenTelemetry, whose buffered spans
+        must then be flushed before this worker exits."""
+        sinks: list[Any] = []
+        if self.settings.span_log:
+            sinks.append(SpanLog(self.settings.span_log))
+        if OpenTelemetrySink.wanted():
+            sinks.append(OpenTelemetrySink())
+        if sinks:
+            self.spans = Sinks(sinks)
+            if self.pool is not None:
+                self.pool.spans = self.spans
 
     def serve(self) -> None:
         raise NotImplementedError
