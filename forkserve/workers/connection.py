@@ -12,7 +12,7 @@ import os
 import select
 import socket
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from forkserve.http import END, HTTPError, Limits, Request, RequestParser
 from forkserve.http.response import CONTINUE
@@ -31,12 +31,19 @@ class Timeout(Exception):
     """The client did not send (or take) data before the deadline."""
 
 
+class Abandoned(Exception):
+    """The worker is stopping and this wait is not worth finishing (a client that has not
+    sent its request yet at drain start, or anything still waiting at the cancel)."""
+
+
 class Connection:
     __slots__ = ("sock", "fd", "remote", "parser", "events", "io_timeout", "exchange",
-                 "continue_sent", "received", "_poll", "closed", "should_close", "released")
+                 "continue_sent", "received", "_poll", "closed", "should_close", "released",
+                 "interrupt_fd", "interrupted", "reading_head")
 
     def __init__(self, sock: socket.socket, remote: tuple[str, str], limits: Limits,
-                 io_timeout: float) -> None:
+                 io_timeout: float, interrupt_fd: int = -1,
+                 interrupted: Callable[[Connection], bool] | None = None) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.fd = sock.fileno()
@@ -50,6 +57,11 @@ class Connection:
         self._poll: select.poll | None = None
         self.closed = False
         self.released = False  # finish_request() ended the response early
+        # Waits also watch interrupt_fd (the worker's signal wakeup pipe); when it fires,
+        # interrupted(self) says whether to abandon the wait.
+        self.interrupt_fd = interrupt_fd
+        self.interrupted = interrupted
+        self.reading_head = False
         self.should_close = _never
 
     # -- waiting -------------------------------------------------------------------------
@@ -58,13 +70,19 @@ class Connection:
         if poller is None:
             poller = self._poll = select.poll()
             poller.register(self.fd, select.POLLIN)
+            if self.interrupt_fd >= 0:
+                poller.register(self.interrupt_fd, select.POLLIN)
         poller.modify(self.fd, flag)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise Timeout()
-            if poller.poll(remaining * 1000.0 + 1):
-                return
+            ready = poller.poll(remaining * 1000.0 + 1)
+            for fd, _ in ready:
+                if fd == self.fd:
+                    return
+                if self.interrupted is not None and self.interrupted(self):
+                    raise Abandoned()
 
     # -- reading -------------------------------------------------------------------------
     def recv(self, deadline: float) -> bool:
@@ -103,9 +121,13 @@ class Connection:
         """The next request's head, or None when the client closed before sending one."""
         events = self.events
         self.received = bool(events)
-        while not events:
-            if not self.recv(deadline):
-                return None
+        self.reading_head = True
+        try:
+            while not events:
+                if not self.recv(deadline):
+                    return None
+        finally:
+            self.reading_head = False
         head = events.popleft()
         if type(head) is not Request:
             raise head  # a queued HTTPError: see _queue_error

@@ -20,7 +20,7 @@ from forkserve.http import HTTPError, Request
 from forkserve.http.response import DateCache, reason_phrase, simple_response
 from forkserve.sockets import Listener
 from forkserve.workers.base import Worker, WorkerState
-from forkserve.workers.connection import Connection, Timeout
+from forkserve.workers.connection import Abandoned, Connection, Timeout
 from forkserve.wsgi import (ClientGone, ErrorStream, Exchange, FileWrapper, HeaderKeys, Input,
                             base_environ, build_environ)
 
@@ -51,6 +51,8 @@ class SyncWorker(Worker):
             self._loop()
             if self.state is WorkerState.STOPPING and not self.retire_reason:
                 self._drain_accept_queue()
+            elif self.state is WorkerState.CANCELLED:
+                self._turn_away_queue()
         finally:
             for listener in self.listeners:
                 listener.sock.close()
@@ -74,6 +76,22 @@ class SyncWorker(Worker):
             if accepted is None:
                 return
             self._handle(*accepted)
+
+    def _turn_away_queue(self) -> None:
+        """Past the drain deadline: clients still queued get a 503 now, never a reset (and
+        this takes a bounded share of the cancel grace)."""
+        deadline = time.monotonic() + self.settings.cancel_grace / 2
+        while time.monotonic() < deadline:
+            accepted = self._accept()
+            if accepted is None:
+                return
+            sock, addr, _ = accepted
+            conn = Connection(sock, ("-", "0"), self.settings.limits, 1.0)
+            try:
+                conn.send(simple_response(503, "Service Unavailable", self.dates))
+            except ClientGone:
+                pass  # it left already; nothing else to do for it
+            conn.close(linger=True)
 
     def _idle(self) -> None:
         """About to wait for work: write out telemetry, send a heartbeat if one is due."""
@@ -106,6 +124,15 @@ class SyncWorker(Worker):
             return sock, addr, listener
         return None
 
+    def _interrupted(self, conn: Connection) -> bool:
+        """A signal arrived while a connection waits on its client: give up the wait?"""
+        self.handle_wakeups()
+        state = self.state
+        if state is WorkerState.CANCELLED or state is WorkerState.HALTING:
+            return True  # the deadline passed: nothing may keep this worker any longer
+        # At drain start, a client that has not begun its request is an idle connection.
+        return state is not RUNNING and conn.reading_head and not conn.received
+
     def _should_close(self) -> bool:
         """Asked as a response head is written: close rather than keep this client alive?"""
         return (self.state is not RUNNING or bool(self.parked) or self.settings.keepalive <= 0
@@ -118,7 +145,8 @@ class SyncWorker(Worker):
             remote = (addr[0], str(addr[1]))
         else:
             remote = ("127.0.0.1", "0")  # unix socket peers have no address
-        conn = Connection(sock, remote, settings.limits, settings.header_timeout)
+        conn = Connection(sock, remote, settings.limits, settings.header_timeout,
+                          self.wakeup_r, self._interrupted)
         conn.should_close = self._should_close
         base = self.environs[listener.fd]
         counters = self.counters
@@ -136,6 +164,11 @@ class SyncWorker(Worker):
                 except Timeout:
                     if conn.received:
                         self._refuse(conn, 408, "Request Timeout")
+                    return
+                except Abandoned:
+                    if conn.received:
+                        self._refuse(conn, 503, "Service Unavailable")
+                        linger = True
                     return
                 if request is None:
                     return
