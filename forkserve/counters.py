@@ -103,16 +103,21 @@ class Writer:
         self.background_tasks = 0
         self.requests_served = 0
 
-    def send(self, kind: Kind, text: str = "") -> None:
+    def send(self, kind: Kind, text: str = "") -> bool:
+        """One atomic write; False when the pipe was full (the caller may send it again)."""
         data = encode(Record(kind, self.worker_id, self.pid, self.active_connections,
                              self.in_flight_requests, self.background_tasks,
                              self.requests_served, text))
         try:
             os.write(self.fd, data)
         except BlockingIOError:
-            return  # pipe full: the next absolute snapshot supersedes this one
+            return False  # pipe full: a later absolute snapshot supersedes this one
         except BrokenPipeError:
-            return  # the arbiter is gone; the parent-death pipe tells the worker to leave
+            return False  # the arbiter is gone; the parent-death pipe tells the worker to leave
+        return True
 
     def snapshot(self) -> None:
         self.send(Kind.SNAPSHOT)
+
+    def draining(self) -> bool:
+        return self.send(Kind.DRAINING)

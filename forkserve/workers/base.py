@@ -91,6 +91,7 @@ class Worker:
         self.busy = False  # inside a connection (the loop cannot act on a signal right now)
         self.cancellable: RequestContext | None = None  # the request a cancel would hit
         self.parked: list[Any] = []  # idle keep-alive connections set aside (sync worker)
+        self.drain_reported = True  # the arbiter has our DRAINING record (see _on_graceful)
         self.timed_out = False
         self.retire_reason = ""
         # Heartbeats: often enough that the arbiter's timeout has several to see.
@@ -206,7 +207,7 @@ class Worker:
     def _on_graceful(self, signum: int, frame: Any) -> None:
         if self.state in (WorkerState.BOOTING, WorkerState.RUNNING):
             self.state = WorkerState.STOPPING
-        self.counters.send(Kind.DRAINING)
+        self.drain_reported = self.counters.draining()
         for conn in self.parked:
             conn.end_output()  # idle keep-alive clients see the close now (drain step 3)
         if self.busy:
@@ -261,12 +262,16 @@ class Worker:
         """After a counter changed: while draining, the arbiter hears of every change (its
         drain decision is event-driven); while running, heartbeats carry the numbers."""
         if self.state is not WorkerState.RUNNING:
-            self.counters.snapshot()
+            if self.drain_reported:
+                self.counters.snapshot()
+            else:
+                # The DRAINING record was lost to a full pipe: the arbiter does not trust our
+                # numbers until it has one, so send that (it carries the numbers too).
+                self.drain_reported = self.counters.draining()
 
     def _pool_changed(self) -> None:
         # -- runs in a pool thread: a task was queued or finished.
-        if self.state is not WorkerState.RUNNING:
-            self.counters.snapshot()
+        self.report()
         try:
             os.write(self.wakeup_w, b"\0")  # wakes a worker waiting for its pool to empty
         except BlockingIOError:
@@ -281,7 +286,7 @@ class Worker:
         poller = select.poll()
         poller.register(self.wakeup_r, select.POLLIN)
         poller.register(self.alive_fd, select.POLLIN)
-        self.counters.snapshot()
+        self.report()
         while self.state is WorkerState.STOPPING and not pool.idle:
             now = time.monotonic()
             if now >= self.next_heartbeat:
@@ -313,7 +318,10 @@ class Worker:
 
     def heartbeat(self, now: float) -> None:
         self.next_heartbeat = now + self.heartbeat_interval
-        self.counters.snapshot()
+        if self.drain_reported:
+            self.counters.snapshot()
+        else:
+            self.drain_reported = self.counters.draining()
 
     def request_done(self) -> None:
         counters = self.counters
