@@ -11,19 +11,23 @@ Everything here runs in the loop. Signals reach it as bytes on a wakeup pipe
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from forkserve import signals as sigs
 from forkserve.config import Config, ConfigError, reloadable_changes, resolve
+from forkserve.control import ControlServer
 from forkserve.counters import Decoder, ExitCode, Kind, Record
 from forkserve.lifecycle import Event, State, next_state
 from forkserve.logs import Log
-from forkserve.sockets import Listener
+from forkserve.sockets import BindError, Listener, bind
 from forkserve.workers import worker_class
 from forkserve.workers.base import WorkerSettings
 
@@ -33,6 +37,8 @@ ARBITER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP,
 KILL_GRACE = 2.0  # seconds between SIGABRT/SIGQUIT and SIGKILL for a worker that will not go
 MAX_RESPAWN_DELAY = 10.0
 MAX_POLL_MS = 3_600_000.0
+# What an in-place upgrade hands to the new image (read and removed by cli.main).
+UPGRADE_ENV = "FORKSERVE_UPGRADE_HANDOVER"
 
 
 @dataclass
@@ -80,14 +86,31 @@ class Arbiter:
     boot_failures: int = 0
     int_count: int = 0
     previous: tuple[Config, WorkerSettings, type] | None = None  # what a failed reload restores
+    inherited: dict[str, Any] | None = None  # what an in-place upgrade handed over
+    argv: list[str] = field(default_factory=list)  # our command line, for the upgrade
+    cwd: str = ""  # where we were started, for the upgrade's check and exec
+    control: ControlServer | None = None
+    upgrade_check: subprocess.Popen[bytes] | None = None
+    upgrading_from: int | None = None  # the old image's generation, until its workers are gone
+    paused: bool = False
+    paused_addresses: list[str] = field(default_factory=list)
+    notifier: Any = None  # forkserve.systemd.Notifier, when systemd is listening
 
     # -- set-up ----------------------------------------------------------------------------
     def run(self) -> int:
         self.signals = sigs.SignalQueue(ARBITER_SIGNALS)
-        self.counter_r, self.counter_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        # Workers poll the read end; when the arbiter dies (even by SIGKILL) the last write
-        # end closes and every worker sees EOF at once (Puma's check pipe).
-        self.alive_r, self.alive_w = os.pipe2(os.O_CLOEXEC)
+        if self.inherited is not None:
+            # After an in-place upgrade: the same pipes, so the old workers (still our
+            # children) go on reporting, and go on seeing the arbiter alive.
+            self.counter_r, self.counter_w = self.inherited["counter"]
+            self.alive_r, self.alive_w = self.inherited["alive"]
+            for fd in (self.counter_r, self.counter_w, self.alive_r, self.alive_w):
+                os.set_inheritable(fd, False)
+        else:
+            self.counter_r, self.counter_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            # Workers poll the read end; when the arbiter dies (even by SIGKILL) the last
+            # write end closes and every worker sees EOF at once (Puma's check pipe).
+            self.alive_r, self.alive_w = os.pipe2(os.O_CLOEXEC)
         self.decoder = Decoder()
         self.worker_cls = worker_class(self.config.worker_class)
         self.settings = WorkerSettings(self.config)
@@ -97,26 +120,34 @@ class Arbiter:
             signal.SIGQUIT: self.halt,
             signal.SIGHUP: self.reload,
             signal.SIGUSR1: self.reopen_logs,
-            signal.SIGUSR2: self.not_yet("USR2 (in-place upgrade)"),
-            signal.SIGTTIN: self.not_yet("TTIN (resume listening)"),
-            signal.SIGTTOU: self.not_yet("TTOU (pause listening)"),
+            signal.SIGUSR2: self.upgrade,
+            signal.SIGTTIN: self.resume,
+            signal.SIGTTOU: self.pause,
             signal.SIGCHLD: self.reap,
         }
-        poller = select.poll()
+        self.poller = poller = select.poll()
         poller.register(self.signals.fileno(), select.POLLIN)
         poller.register(self.counter_r, select.POLLIN)
+        if self.config.control_socket:
+            self.control = ControlServer(self.config.control_socket, self.command)
+            poller.register(self.control.fileno(), select.POLLIN)
         self.log.info("Starting forkserve", listening=",".join(l.name() for l in self.listeners),
                       workers=self.config.worker_count, worker_class=self.config.worker_class,
                       app=self.config.app)
+        if self.inherited is not None:
+            self.adopt_old_workers(self.inherited["workers"], self.inherited["generation"])
         self.spawn_missing(time.monotonic())
         while self.state is not State.STOPPED:
             timeout = self.next_timeout(time.monotonic())
             # Capped: poll() overflows past ~24 days (a --drain-timeout of 1e7 is legal).
-            poller.poll(MAX_POLL_MS if timeout is None else min(timeout * 1000.0 + 1, MAX_POLL_MS))
+            ready = poller.poll(MAX_POLL_MS if timeout is None
+                                else min(timeout * 1000.0 + 1, MAX_POLL_MS))
             for signum in self.signals.drain():
                 self.dispatch.get(signum, self.reap)()
             self.read_counters()
             self.reap()
+            if self.control is not None:
+                self.serve_control(ready)
             self.tick(time.monotonic())
         self.shutdown()
         return self.exit_code
@@ -124,6 +155,8 @@ class Arbiter:
     def shutdown(self) -> None:
         for listener in self.listeners:
             listener.close(unlink=True)
+        if self.control is not None:
+            self.control.close()
         self.log.info("Server stopped", exit_code=int(self.exit_code))
 
     # -- state -----------------------------------------------------------------------------
@@ -165,6 +198,7 @@ class Arbiter:
         now = time.monotonic()
         self.deadline = now + self.config.drain_timeout
         self.next_progress = now + 1.0
+        self.notify("stopping")
         self.signal_workers(signal.SIGTERM, list(self.workers.values()))
         self.check_drained()
 
@@ -249,11 +283,167 @@ class Arbiter:
         self.log.configure(new.log_level, new.log_format)
         self.settings = WorkerSettings(new)
         self.worker_cls = worker_class(new.worker_class)
+        self.notify("reloading")
+        self.start_generation("Reloading")
+
+    def start_generation(self, why: str) -> None:
+        """Boot a new generation of workers; the old one is retired once it has booted."""
         self.generation += 1
         self.reload_generation = self.generation
-        self.log.info("Reloading: starting a new generation of workers", generation=self.generation,
-                      workers=new.worker_count)
+        self.log.info(f"{why}: starting a new generation of workers", generation=self.generation,
+                      workers=self.config.worker_count)
         self.spawn_missing(time.monotonic())
+
+    # -- in-place upgrade (USR2) ----------------------------------------------------------
+    def upgrade(self) -> None:
+        """Check the new code and config in a child first; exec ourselves only if it passes."""
+        if self.state is not State.RUNNING or self.upgrade_check is not None or self.paused:
+            self.log.warning("Upgrade ignored: the server is not running steadily",
+                             state=self.state.value)
+            return
+        self.log.info("Upgrade requested: checking the new configuration and application")
+        self.upgrade_check = subprocess.Popen(
+            [sys.executable, "-m", "forkserve", "--check", *self.argv], cwd=self.cwd or None,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def upgrade_checked(self, status: int) -> None:
+        check, self.upgrade_check = self.upgrade_check, None
+        assert check is not None
+        check.returncode = os.waitstatus_to_exitcode(status)  # reaped by our loop, not by Popen
+        error = check.stderr.read().decode("utf-8", "replace").strip() if check.stderr else ""
+        if check.stderr is not None:
+            check.stderr.close()
+        if check.returncode != 0:
+            reason = error.splitlines()[-1] if error else f"the check exited {check.returncode}"
+            self.log.error(f"Upgrade aborted, still serving: {reason}")
+            return
+        if self.state is not State.RUNNING:
+            self.log.warning("Upgrade abandoned: the server is stopping")
+            return
+        self.exec_upgrade()
+
+    def exec_upgrade(self) -> None:
+        self.notify("reloading")
+        handover = {
+            "listeners": [[l.fd, l.address] for l in self.listeners],
+            "counter": [self.counter_r, self.counter_w],
+            "alive": [self.alive_r, self.alive_w],
+            "workers": [[h.pid, h.worker_id, h.generation] for h in self.workers.values()],
+            "generation": self.generation,
+        }
+        for fd in [l.fd for l in self.listeners] + [self.counter_r, self.counter_w,
+                                                     self.alive_r, self.alive_w]:
+            os.set_inheritable(fd, True)
+        env = dict(os.environ)
+        env[UPGRADE_ENV] = json.dumps(handover)
+        if self.control is not None:
+            self.poller.unregister(self.control.fileno())
+            self.control.close()  # the new image opens it again at the same path
+            self.control = None
+        self.log.info("Upgrade: re-executing", pid=os.getpid(), generation=self.generation)
+        try:
+            if self.cwd:
+                os.chdir(self.cwd)
+            os.execve(sys.executable, [sys.executable, "-m", "forkserve", *self.argv], env)
+        except OSError as exc:
+            self.log.error(f"Upgrade failed, still serving: cannot exec: {exc.strerror}")
+            for fd in [l.fd for l in self.listeners] + [self.counter_r, self.counter_w,
+                                                         self.alive_r, self.alive_w]:
+                os.set_inheritable(fd, False)
+            if self.config.control_socket:
+                self.control = ControlServer(self.config.control_socket, self.command)
+                self.poller.register(self.control.fileno(), select.POLLIN)
+
+    def adopt_old_workers(self, workers: list[list[int]], generation: int) -> None:
+        """The new image's view of the workers the old image handed over."""
+        now = time.monotonic()
+        for pid, worker_id, worker_generation in workers:
+            self.workers[pid] = WorkerHandle(worker_id, worker_generation, pid=pid, spawned_at=now,
+                                             last_seen=now, booted=True)
+        self.generation = generation + 1
+        self.upgrading_from = generation
+
+    # -- pause and resume (TTOU / TTIN): HAProxy's handoff protocol ------------------------------
+    def pause(self) -> None:
+        if self.state is not State.RUNNING or self.paused:
+            return
+        self.paused = True
+        self.paused_addresses = [l.name() for l in self.listeners]
+        for listener in self.listeners:
+            listener.close(unlink=False)
+        self.listeners = []
+        # Workers serve what is queued, then close their copies: the port is then free.
+        self.signal_workers(signal.SIGTTOU, list(self.workers.values()))
+        self.log.info("Paused: not listening", addresses=",".join(self.paused_addresses))
+
+    def resume(self) -> None:
+        if not self.paused or self.state is not State.RUNNING:
+            return
+        try:
+            self.listeners = bind(self.paused_addresses, self.config.backlog, self.config.reuse_port)
+        except BindError as exc:
+            self.log.error(f"Resume failed, still paused: {exc}")
+            return
+        self.paused = False
+        self.log.info("Resumed: listening again", listening=",".join(l.name() for l in self.listeners))
+        # The workers closed their listeners; a new generation gets the new ones.
+        self.start_generation("Resume")
+
+    # -- the control socket --------------------------------------------------------------------
+    def serve_control(self, ready: list[tuple[int, int]]) -> None:
+        control = self.control
+        assert control is not None
+        for fd, _ in ready:
+            if fd == control.fileno():
+                for client in control.accept():
+                    self.poller.register(client, select.POLLIN)
+            elif fd in control.clients and control.readable(fd):
+                self.poller.unregister(fd)
+        for fd in control.expired(time.monotonic()):
+            self.poller.unregister(fd)
+            control.drop(fd)
+
+    def command(self, name: str, arg: str) -> tuple[dict[str, Any], list[int]]:
+        """One control-socket command; the answer and any fds to send with it."""
+        simple = {"reload": self.reload, "upgrade": self.upgrade, "stop": self.stop,
+                  "pause": self.pause, "resume": self.resume}
+        if name in simple:
+            simple[name]()
+            return {"ok": True, "state": self.state.value}, []
+        if name == "status":
+            return self.status(), []
+        if name == "scale":
+            try:
+                count = int(arg)
+            except ValueError:
+                return {"ok": False, "error": "scale needs a whole number of workers"}, []
+            if count < 1:
+                return {"ok": False, "error": "scale needs at least 1 worker"}, []
+            self.config.values["workers"] = count
+            self.log.info("Scaling workers", workers=count)
+            self.spawn_missing(time.monotonic())
+            return {"ok": True, "workers": count}, []
+        if name == "listeners":
+            if not self.listeners:
+                return {"ok": False, "error": "not listening (paused or stopping)"}, []
+            return ({"ok": True, "listeners": [l.name() for l in self.listeners]},
+                    [l.fd for l in self.listeners])
+        return {"ok": False, "error": f"unknown command {name!r}"}, []
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "ok": True, "state": self.state.value, "generation": self.generation,
+            "pid": os.getpid(), "paused": self.paused, **self.totals(),
+            "workers": [{
+                "pid": h.pid, "worker_id": h.worker_id, "generation": h.generation,
+                "age": round(now - h.spawned_at, 3), "requests_served": h.requests_served,
+                "active_connections": h.active_connections,
+                "in_flight_requests": h.in_flight_requests,
+                "background_tasks": h.background_tasks, "booted": h.booted,
+                "seconds_since_heartbeat": round(now - h.last_seen, 3),
+            } for h in sorted(self.workers.values(), key=lambda h: (h.generation, h.worker_id))],
+        }
 
     # -- workers ---------------------------------------------------------------------------
     def spawn(self, worker_id: int, now: float) -> None:
@@ -346,18 +536,58 @@ class Arbiter:
             self.spawn_missing(now)  # its replacement boots while it finishes
         self.check_drained()
 
+    def stop_predecessors(self) -> None:
+        """-sf / -st: we serve now, so the instances we replace can go."""
+        if self.inherited is not None:
+            return  # an upgraded image: those PIDs were dealt with long ago (and may be reused)
+        for pids, signum in ((self.config.soft_stop, signal.SIGTERM),
+                             (self.config.hard_stop, signal.SIGQUIT)):
+            for pid in pids:
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    self.log.warning("Handoff: the old instance is already gone", pid=pid)
+                    continue
+                self.log.info(f"Handoff: sent {sigs.name(signum)} to the old instance", pid=pid)
+
+    def notify(self, what: str) -> None:
+        """Tell systemd (when it listens) what we are doing; a no-op otherwise."""
+        notifier = self.notifier
+        if notifier is None or not notifier.enabled:
+            return
+        if what == "ready":
+            notifier.ready(f"serving: {len(self.current())} workers")
+        elif what == "reloading":
+            notifier.reloading()
+        elif what == "stopping":
+            notifier.stopping("draining")
+        else:
+            totals = self.totals()
+            notifier.status(f"{self.state.value}: {totals['in_flight_requests']} in flight, "
+                            f"{totals['active_connections']} connections, "
+                            f"{totals['background_tasks']} background tasks")
+
     def check_booted(self) -> None:
         generation = self.current()
         if len(generation) < self.config.worker_count or not all(h.booted for h in generation):
             return
         if self.state is State.BOOTING:
             self.transition(Event.BOOTED, "Server ready", generation=self.generation)
+            self.notify("ready")
+            if self.upgrading_from is not None:
+                old = [h for h in self.workers.values() if h.generation <= self.upgrading_from]
+                self.log.info("Upgrade complete: stopping the old workers", old_workers=len(old),
+                              generation=self.generation)
+                self.upgrading_from = None
+                self.retire(old)
+            self.stop_predecessors()
         elif self.reload_generation == self.generation:
             self.reload_generation = None
             old = [h for h in self.workers.values() if h.generation < self.generation]
             self.log.info("Reload complete: new workers booted, stopping the old ones",
                           generation=self.generation, old_workers=len(old))
             self.retire(old)
+            self.notify("ready")
 
     def reap(self) -> None:
         while True:
@@ -370,6 +600,9 @@ class Arbiter:
             # A worker writes its last record (BOOT_ERROR, RETIRING) and then exits: read the
             # pipe before judging the exit, or the record would come after its explanation.
             self.read_counters()
+            if self.upgrade_check is not None and pid == self.upgrade_check.pid:
+                self.upgrade_checked(status)
+                continue
             handle = self.workers.pop(pid, None)
             if handle is not None:
                 self.on_exit(handle, status)
@@ -400,6 +633,16 @@ class Arbiter:
         code = ExitCode.APP_LOAD_ERROR if load_error else ExitCode.WORKER_BOOT_ERROR
         if handle.stopping or self.state not in (State.BOOTING, State.RUNNING):
             return  # stopped on purpose before it was ready
+        if self.state is State.BOOTING and self.upgrading_from is not None:
+            # The new image passed its check but its workers do not boot: the old workers,
+            # handed over, still serve. Keep them; do not take the service down.
+            failed = [h for h in self.workers.values() if h.generation == self.generation]
+            self.signal_workers(signal.SIGQUIT, failed)
+            self.generation = self.upgrading_from
+            self.upgrading_from = None
+            self.log.error(f"Upgrade failed after exec, the old workers keep serving: {reason}")
+            self.transition(Event.BOOTED, "Server ready", generation=self.generation)
+            return
         if self.state is State.BOOTING:
             # Never a fork loop: the first generation cannot boot, so nothing can serve.
             self.exit_code = code
@@ -486,6 +729,7 @@ class Arbiter:
             self.next_progress = now + 1.0
             self.log.info("Draining in-flight connections", state=self.state.value,
                           **self.totals())
+            self.notify("status")
         if self.deadline is not None and now >= self.deadline:
             self.deadline = None
             if self.state in (State.DRAINING, State.FLUSHING):

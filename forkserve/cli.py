@@ -7,16 +7,27 @@ broken deploy from a crash), 3 when workers die while booting, 1 for anything el
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import socket
 import sys
-from typing import Sequence
+import time
+from typing import Any, Sequence
 
 from forkserve import __version__
 from forkserve.config import ConfigError, parse_args, resolve, unknown_env
 from forkserve.counters import ExitCode
 from forkserve.loader import AppLoadError, load_app
 from forkserve.logs import Log
-from forkserve.sockets import BindError, bind
+from forkserve.arbiter import UPGRADE_ENV
+from forkserve.config import Config
+from forkserve.control import ControlError, take_listeners
+from forkserve.sockets import AddressInUse, BindError, Listener, adopt, bind
+from forkserve.systemd import activation_env_vars, listen_fds
+
+
+PAUSE_WAIT = 3.0  # how long a new instance waits for paused predecessors to free the port
 
 
 def _say(message: str) -> None:
@@ -25,8 +36,15 @@ def _say(message: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["ctl"]:
+        from forkserve.control import ctl_main
+        return ctl_main(args[1:])
+    # What an in-place upgrade handed over (our own variable: never a user's setting).
+    handover_text = os.environ.pop(UPGRADE_ENV, None)
+    start_cwd = os.getcwd()
     try:
-        cli, check = parse_args(sys.argv[1:] if argv is None else argv, __version__)
+        cli, check = parse_args(args, __version__)
         config = resolve(cli, os.environ)
     except ConfigError as exc:
         _say(f"error: {exc}")
@@ -61,14 +79,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         except AppLoadError as exc:
             log.error(f"Application could not be loaded: {exc}")
             return ExitCode.APP_LOAD_ERROR
+    handover = json.loads(handover_text) if handover_text else None
     try:
-        listeners = bind(config.bind, config.backlog)
-    except BindError as exc:
+        listeners = open_listeners(config, handover, log)
+    except (BindError, ControlError) as exc:
         log.error(str(exc))
         return ExitCode.ERROR
 
     from forkserve.arbiter import Arbiter
     from forkserve.pidfile import Pidfile
+    from forkserve.systemd import Notifier
 
     pidfile = Pidfile(config.pidfile) if config.pidfile else None
     try:
@@ -83,10 +103,84 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         pass  # titles are a convenience; setproctitle is a declared dependency anyway
     try:
-        return Arbiter(config, cli, listeners, log, app).run()
+        arbiter = Arbiter(config, cli, listeners, log, app, inherited=handover, argv=args,
+                          cwd=start_cwd, notifier=Notifier(os.environ))
+        return arbiter.run()
     finally:
         if pidfile is not None:
             pidfile.remove()
+
+
+def open_listeners(config: Config, handover: dict[str, Any] | None, log: Log) -> list[Listener]:
+    """The listening sockets, in order of preference: handed over by the image we replaced
+    in place (USR2), passed by systemd (socket activation), received from a running instance
+    (--takeover), or bound — with the -sf/-st fallback when the port is taken."""
+    inherited: list[Listener] = []
+    if handover is not None:
+        inherited = [adopt(socket.socket(fileno=fd), address) for fd, address in handover["listeners"]]
+        return bind(config.bind, config.backlog, config.reuse_port, inherited)
+    activated = listen_fds(os.environ, os.getpid())
+    if activated:
+        for name in activation_env_vars():
+            os.environ.pop(name, None)
+        listeners = []
+        for fd, name in activated:
+            sock = socket.socket(fileno=fd)
+            listeners.append(adopt(sock, _describe(sock, name)))
+        log.info("Using the sockets passed by the service manager; --bind is ignored",
+                 listening=",".join(l.name() for l in listeners))
+        return listeners
+    if config.takeover:
+        received = take_listeners(config.takeover)
+        inherited = [adopt(sock, address) for sock, address in received]
+        log.info("Took the listening sockets over from the running instance",
+                 control_socket=config.takeover, listening=",".join(a for _, a in received))
+        return bind(config.bind, config.backlog, config.reuse_port, inherited)
+    try:
+        return bind(config.bind, config.backlog, config.reuse_port)
+    except AddressInUse as exc:
+        predecessors = config.soft_stop + config.hard_stop
+        if not predecessors:
+            raise
+        return _bind_after_pausing(config, predecessors, exc, log)
+
+
+def _bind_after_pausing(config: Config, pids: list[int], first: AddressInUse,
+                        log: Log) -> list[Listener]:
+    """HAProxy's fallback: ask the old instances to stop listening (TTOU), retry for a moment,
+    and if the port is still taken ask them to listen again (TTIN) and give up."""
+    log.warning("Address in use; asking the old instance(s) to pause listening",
+                pids=",".join(map(str, pids)), error=str(first))
+    _signal_all(pids, signal.SIGTTOU)
+    deadline = time.monotonic() + PAUSE_WAIT
+    while True:
+        try:
+            return bind(config.bind, config.backlog, config.reuse_port)
+        except AddressInUse as exc:
+            if time.monotonic() >= deadline:
+                _signal_all(pids, signal.SIGTTIN)
+                raise BindError(f"{exc}; the old instance(s) were asked to resume listening") from None
+            time.sleep(0.05)  # a bounded retry against another process, not a test wait
+
+
+def _signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            continue
+
+
+def _describe(sock: socket.socket, name: str) -> str:
+    try:
+        address = sock.getsockname()
+    except OSError:
+        return name or "fd"
+    if isinstance(address, str) or isinstance(address, bytes):
+        return f"unix:{address if isinstance(address, str) else address.decode()}"
+    if sock.family == socket.AF_INET6:
+        return f"[{address[0]}]:{address[1]}"
+    return f"{address[0]}:{address[1]}"
 
 
 def run() -> None:

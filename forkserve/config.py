@@ -118,6 +118,11 @@ def _binds(value: Any) -> list[str]:
     return [_bind(item) for item in items]
 
 
+def _pids(value: Any) -> list[int]:
+    items = value if isinstance(value, list) else str(value).replace(",", " ").split()
+    return [_int(1)(item) for item in items]
+
+
 def _app(value: Any) -> str:
     text = _text(value).strip()
     module = text.partition(":")[0]
@@ -138,6 +143,7 @@ class Setting:
     repeatable: bool = False  # -b a -b b
     flag: bool = False  # takes no argument on the command line
     aliases: tuple[str, ...] = ()  # extra command-line spellings (--graceful-timeout)
+    several: bool = False  # takes one or more values after one flag (-sf PID PID)
 
     @property
     def env(self) -> str:
@@ -195,6 +201,23 @@ SETTINGS: tuple[Setting, ...] = (
             "write spans recorded with forkserve.telemetry.span to this file, one JSON object "
             "per line (off by default)",
             flags=("--span-log",), metavar="PATH"),
+    Setting("control_socket", _optional_text, None,
+            "unix socket (mode 0600) for `forkserve ctl`: status, reload, upgrade, stop, scale N, "
+            "pause, resume, and handing the listeners to a successor",
+            flags=("--control-socket",), metavar="PATH", reloadable=False),
+    Setting("reuse_port", _bool, False,
+            "bind with SO_REUSEPORT, so a successor started with it too can bind the same port",
+            flags=("--reuse-port",), flag=True, reloadable=False),
+    Setting("takeover", _optional_text, None,
+            "take the listening sockets from a running forkserve's control socket "
+            "(the accept queue is never closed; HAProxy's -x)",
+            flags=("--takeover",), metavar="PATH", reloadable=False),
+    Setting("soft_stop", _pids, [],
+            "once serving, stop these PIDs gracefully (TERM), as HAProxy's -sf",
+            flags=("-sf", "--soft-stop"), metavar="PID", several=True, reloadable=False),
+    Setting("hard_stop", _pids, [],
+            "once serving, stop these PIDs at once (QUIT), as HAProxy's -st",
+            flags=("-st", "--hard-stop"), metavar="PID", several=True, reloadable=False),
     Setting("max_requests", _int(0), 0, "restart a worker after this many requests; 0 disables",
             flags=("--max-requests",), metavar="N"),
     Setting("max_requests_jitter", _int(0), 0, "add up to this many requests at random per worker",
@@ -270,7 +293,7 @@ def build_argparser(version: str) -> argparse.ArgumentParser:
         if s.name == "app":
             parser.add_argument("app", nargs="?", metavar=s.metavar, help=s.help)
             continue
-        default_text = "" if s.default is None or s.default is False else f" [default: {_show(s.default)}]"
+        default_text = "" if s.default is None or s.default is False or s.default == [] else f" [default: {_show(s.default)}]"
         kwargs: dict[str, Any] = {"dest": s.name, "help": s.help + default_text}
         if s.flag:
             kwargs["action"] = "store_const"
@@ -279,6 +302,8 @@ def build_argparser(version: str) -> argparse.ArgumentParser:
             kwargs["metavar"] = s.metavar
             if s.repeatable:
                 kwargs["action"] = "append"
+            elif s.several:
+                kwargs["nargs"] = "+"
         parser.add_argument(*s.flags, *s.aliases, **kwargs)
     return parser
 
@@ -331,7 +356,7 @@ def resolve(cli: dict[str, Any], environ: dict[str, str] | os._Environ[str]) -> 
     for s in SETTINGS:
         if s.name != "config" and s.env in environ:
             raw_env: Any = environ[s.env]
-            if s.repeatable:
+            if s.repeatable or s.several:
                 raw_env = [part for part in raw_env.replace(",", " ").split() if part]
             _apply(values, sources, s.name, raw_env, "env")
     for name, raw in cli.items():
@@ -351,6 +376,11 @@ def parse_args(argv: Sequence[str], version: str) -> tuple[dict[str, Any], bool]
     """Returns (cli values, check flag). Raises ConfigError on bad usage."""
     ns = build_argparser(version).parse_args(list(argv))
     cli = vars(ns)
+    for name in ("soft_stop", "hard_stop"):
+        # `forkserve -sf 123 myapp:wsgi`: nargs="+" also took the app; give it back.
+        values = cli.get(name)
+        if values and not str(values[-1]).isdigit() and cli.get("app") is None:
+            cli["app"] = values.pop()
     check = bool(cli.pop("check", False))
     return cli, check
 
@@ -370,7 +400,7 @@ def settings_table() -> str:
                  else ", ".join(f"`{f}`" for f in s.flags + s.aliases))
         if s.name == "workers":
             default = "CPU count"
-        elif s.default is None:
+        elif s.default is None or s.default == []:
             default = "—"
         elif isinstance(s.default, bool):
             default = str(s.default).lower()

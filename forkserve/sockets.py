@@ -51,7 +51,7 @@ class Listener:
                 return
 
 
-def _tcp(host: str, port: int, backlog: int) -> socket.socket:
+def _tcp(host: str, port: int, backlog: int, reuse_port: bool = False) -> socket.socket:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     try:
@@ -62,6 +62,8 @@ def _tcp(host: str, port: int, backlog: int) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         # Accepted sockets inherit TCP_NODELAY on Linux: one setsockopt here instead of one
@@ -71,7 +73,8 @@ def _tcp(host: str, port: int, backlog: int) -> socket.socket:
         sock.listen(backlog)
     except OSError as exc:
         sock.close()
-        raise BindError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        kind = AddressInUse if exc.errno == errno.EADDRINUSE else BindError
+        raise kind(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     return sock
 
 
@@ -123,22 +126,46 @@ def _adopt(fd: int) -> socket.socket:
     return sock
 
 
-def bind(addresses: list[str], backlog: int) -> list[Listener]:
+class AddressInUse(BindError):
+    """The port is taken: a handoff (-sf/-st) may free it by pausing the old instance."""
+
+
+def adopt(sock: socket.socket, address: str) -> Listener:
+    """A listening socket handed to us (upgrade, takeover, socket activation)."""
+    sock.setblocking(False)
+    os.set_inheritable(sock.fileno(), False)
+    path = address[5:] if address.startswith("unix:") else None
+    return Listener(sock, address, path)
+
+
+def bind(addresses: list[str], backlog: int, reuse_port: bool = False,
+         inherited: list[Listener] | None = None) -> list[Listener]:
+    """Listeners for ``addresses``: inherited ones are reused when their configured address
+    or real name matches; the rest are bound. Inherited ones left over are closed."""
+    pool = list(inherited or [])
     listeners: list[Listener] = []
     try:
         for address in addresses:
-            if address.startswith("unix:"):
+            match = next((l for l in pool if address in (l.address, l.name())), None)
+            if match is not None:
+                pool.remove(match)
+                match.address = address
+                listeners.append(match)
+            elif address.startswith("unix:"):
                 path = os.path.abspath(address[5:])
                 listeners.append(Listener(_unix(path, backlog), address, path))
             elif address.startswith("fd://"):
                 listeners.append(Listener(_adopt(int(address[5:])), address))
             else:
                 host, _, port = address.rpartition(":")
-                listeners.append(Listener(_tcp(host, int(port), backlog), address))
+                listeners.append(Listener(_tcp(host, int(port), backlog, reuse_port), address))
     except BindError:
         for listener in listeners:
-            listener.close(unlink=True)
+            if listener not in (inherited or []):
+                listener.close(unlink=True)
         raise
+    for leftover in pool:
+        leftover.close(unlink=False)  # no longer configured; whoever else holds it keeps it
     for listener in listeners:
         listener.sock.setblocking(False)
     return listeners

@@ -92,6 +92,8 @@ class Worker:
         self.cancellable: RequestContext | None = None  # the request a cancel would hit
         self.parked: list[Any] = []  # idle keep-alive connections set aside (sync worker)
         self.drain_reported = True  # the arbiter has our DRAINING record (see _on_graceful)
+        self.pause_requested = False  # TTOU: the loop serves the queue, then stops listening
+        self.listeners_changed = False  # a handler closed a listener: the loop must forget it
         self.timed_out = False
         self.retire_reason = ""
         # Heartbeats: often enough that the arbiter's timeout has several to see.
@@ -149,12 +151,13 @@ class Worker:
             signal.SIGUSR1: self._on_record,
         }
         handlers[signal.SIGUSR2] = self._on_cancel
+        handlers[signal.SIGTTOU] = self._on_pause
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
         # The arbiter's signals, not ours. SIGINT too: Ctrl-C in a terminal reaches the whole
         # process group, and the arbiter turns it into a graceful stop (TERM to us); a
         # worker acting on it directly would cut its in-flight request short.
-        for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU):
+        for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTTIN):
             signal.signal(signum, signal.SIG_IGN)
         sigs.unblock()
         self.counters.pid = os.getpid()
@@ -210,10 +213,19 @@ class Worker:
         self.drain_reported = self.counters.draining()
         for conn in self.parked:
             conn.end_output()  # idle keep-alive clients see the close now (drain step 3)
+        self._release_listeners()
+
+    def _on_pause(self, signum: int, frame: Any) -> None:
+        """TTOU: stop listening (serve what is queued first), keep serving connections."""
+        self.pause_requested = True
+        self._release_listeners()
+
+    def _release_listeners(self) -> None:
         if self.busy:
             for listener in self.listeners:
                 if listener.sock.fileno() >= 0 and accept_queue_empty(listener):
                     listener.sock.close()
+                    self.listeners_changed = True
 
     def _on_cancel(self, signum: int, frame: Any) -> None:
         if self.state is not WorkerState.HALTING:

@@ -60,6 +60,10 @@ class SyncWorker(Worker):
     def _loop(self) -> None:
         heartbeat_ms = self.heartbeat_interval * 1000.0
         while self.state is RUNNING:
+            if self.pause_requested:
+                self._pause()
+            elif self.listeners_changed:
+                self._forget_closed_listeners()
             accepted = self._accept()
             if accepted is not None:
                 self._handle(*accepted)
@@ -76,6 +80,28 @@ class SyncWorker(Worker):
             if accepted is None:
                 return
             self._handle(*accepted)
+
+    def _pause(self) -> None:
+        """TTOU: serve the clients already queued, then close every listener of ours."""
+        self.pause_requested = False
+        while self.state is RUNNING:
+            accepted = self._accept()
+            if accepted is None:
+                break
+            self._handle(*accepted)
+        for listener in self.listeners:
+            listener.sock.close()
+        self._forget_closed_listeners()
+
+    def _forget_closed_listeners(self) -> None:
+        """Unregister listeners closed (here or by a signal handler) before polling again: their
+        fd numbers may already belong to something else."""
+        self.listeners_changed = False
+        for fd, listener in list(self.listener_fds.items()):
+            if listener.sock.fileno() < 0:
+                self.main_poll.unregister(fd)
+                self.waiting_poll.unregister(fd)
+                del self.listener_fds[fd]
 
     def _turn_away_queue(self) -> None:
         """Past the drain deadline: clients still queued get a 503 now, never a reset (and
@@ -202,6 +228,8 @@ class SyncWorker(Worker):
         poller = self.main_poll
         deadline = time.monotonic() + keepalive
         while self.state is RUNNING:
+            if self.listeners_changed:
+                self._forget_closed_listeners()
             self._idle()
             now = time.monotonic()
             if now >= deadline:

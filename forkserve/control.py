@@ -1,0 +1,188 @@
+"""The control socket: a small line protocol on a unix socket, and its client.
+
+Owns: the server side the arbiter polls (``ControlServer``: accept, read one line, answer one
+JSON line, close) and the client side (``request``, ``take_listeners``, and ``forkserve ctl``).
+Imports only the standard library.
+
+The socket is created with mode 0600 inside a umask, so no other user can ever connect, and
+every peer's uid is checked with SO_PEERCRED as well. A command is one line
+``COMMAND [ARG]``; the answer is one line of JSON. ``listeners`` answers with the listening
+sockets' addresses and, in the same message, their file descriptors (SCM_RIGHTS), for a new
+instance taking over the port without ever closing the kernel's accept queue (HAProxy's ``-x``).
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import socket
+import stat
+import struct
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+MAX_LINE = 4096
+CLIENT_TIMEOUT = 5.0
+
+
+class ControlError(Exception):
+    pass
+
+
+class ControlServer:
+    """Non-blocking: the arbiter polls ``fileno()`` and each client's fd in its loop."""
+
+    def __init__(self, path: str, handler: Callable[[str, str], tuple[dict[str, Any], list[int]]]) -> None:
+        self.path = os.path.abspath(path)
+        self.handler = handler
+        self.clients: dict[int, tuple[socket.socket, bytes, float]] = {}
+        if os.path.exists(self.path):
+            if not stat.S_ISSOCK(os.stat(self.path).st_mode):
+                raise ControlError(f"{self.path} exists and is not a socket")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(self.path)
+            except OSError:
+                os.unlink(self.path)  # stale: nobody answers there
+            else:
+                raise ControlError(f"another process answers on {self.path}")
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # the socket is born 0600: no window where others connect
+        try:
+            sock.bind(self.path)
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.path, 0o600)
+        sock.listen(16)
+        sock.setblocking(False)
+        self.sock = sock
+        self.owner_pid = os.getpid()
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def accept(self) -> list[int]:
+        """New clients; returns their fds for the caller's poller."""
+        fds = []
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return fds
+            creds = client.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            _, uid, _ = struct.unpack("3i", creds)
+            if uid not in (os.getuid(), 0):
+                client.close()  # the file mode already keeps others out; this is belt and braces
+                continue
+            client.setblocking(False)
+            self.clients[client.fileno()] = (client, b"", time.monotonic() + CLIENT_TIMEOUT)
+            fds.append(client.fileno())
+
+    def readable(self, fd: int) -> bool:
+        """Read from a client; answer once a whole line is in. True when the client is done."""
+        client, buffer, deadline = self.clients[fd]
+        try:
+            data = client.recv(MAX_LINE)
+        except BlockingIOError:
+            return False
+        except OSError:
+            data = b""
+        buffer += data
+        if b"\n" not in buffer and data and len(buffer) < MAX_LINE:
+            self.clients[fd] = (client, buffer, deadline)
+            return False
+        line = buffer.split(b"\n", 1)[0].decode("utf-8", "replace").strip()
+        command, _, arg = line.partition(" ")
+        try:
+            answer, fds = self.handler(command.lower(), arg.strip())
+        except Exception as exc:  # a broken command must not take the arbiter down
+            answer, fds = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, []
+        payload = (json.dumps(answer, default=str) + "\n").encode()
+        try:
+            client.setblocking(True)
+            client.settimeout(CLIENT_TIMEOUT)
+            if fds:
+                client.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                            array.array("i", fds).tobytes())])
+            else:
+                client.sendall(payload)
+        except OSError:
+            pass  # the client left; nothing to tell it
+        self.drop(fd)
+        return True
+
+    def expired(self, now: float) -> list[int]:
+        return [fd for fd, (_, _, deadline) in self.clients.items() if now >= deadline]
+
+    def drop(self, fd: int) -> None:
+        client, _, _ = self.clients.pop(fd)
+        client.close()
+
+    def close(self) -> None:
+        for fd in list(self.clients):
+            self.drop(fd)
+        self.sock.close()
+        if os.getpid() == self.owner_pid:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                return
+
+
+# -- client side --------------------------------------------------------------------------------
+
+def request(path: str, command: str, timeout: float = 30.0) -> tuple[dict[str, Any], list[int]]:
+    """Send one command; returns the JSON answer and any file descriptors that came with it."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        sock.sendall(command.encode() + b"\n")
+        data = b""
+        fds: list[int] = []
+        while not data.endswith(b"\n"):
+            chunk, ancdata, _, _ = sock.recvmsg(65536, socket.CMSG_SPACE(64 * 4))
+            for level, kind, payload in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
+            if not chunk:
+                break
+            data += chunk
+    try:
+        return json.loads(data.decode()), fds
+    except ValueError:
+        raise ControlError(f"no answer from {path}") from None
+
+
+def take_listeners(path: str) -> list[tuple[socket.socket, str]]:
+    """The old instance's listening sockets, received as fds: (socket, address) pairs."""
+    answer, fds = request(path, "listeners")
+    if not answer.get("ok"):
+        raise ControlError(f"{path}: {answer.get('error', 'listeners refused')}")
+    addresses = answer.get("listeners", [])
+    if len(addresses) != len(fds):
+        for fd in fds:
+            os.close(fd)
+        raise ControlError(f"{path} sent {len(fds)} descriptors for {len(addresses)} listeners")
+    return [(socket.socket(fileno=fd), address) for fd, address in zip(fds, addresses)]
+
+
+def ctl_main(argv: Sequence[str]) -> int:
+    """``forkserve ctl SOCKET COMMAND [ARG]``: print the answer; exit 0 when it says ok."""
+    if len(argv) < 2:
+        sys.stderr.write("forkserve: usage: forkserve ctl SOCKET COMMAND [ARG]  (commands: status, "
+                         "reload, upgrade, stop, scale N, pause, resume, listeners)\n")
+        return 2
+    path, command = argv[0], " ".join(argv[1:])
+    try:
+        answer, fds = request(path, command)
+    except (OSError, ControlError) as exc:
+        sys.stderr.write(f"forkserve: cannot talk to {path}: {exc}\n")
+        return 1
+    for fd in fds:
+        os.close(fd)  # `ctl listeners` only shows the addresses
+    sys.stdout.write(json.dumps(answer, indent=2, default=str) + "\n")
+    return 0 if answer.get("ok") else 1
