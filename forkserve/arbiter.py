@@ -95,6 +95,7 @@ class Arbiter:
     paused: bool = False
     paused_addresses: list[str] = field(default_factory=list)
     notifier: Any = None  # forkserve.systemd.Notifier, when systemd is listening
+    next_watchdog: float | None = None  # next WATCHDOG=1, when systemd asks for them
 
     # -- set-up ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -136,6 +137,8 @@ class Arbiter:
                       app=self.config.app)
         if self.inherited is not None:
             self.adopt_old_workers(self.inherited["workers"], self.inherited["generation"])
+        if self.notifier is not None and self.notifier.enabled and self.notifier.watchdog_interval:
+            self.next_watchdog = time.monotonic()
         self.spawn_missing(time.monotonic())
         while self.state is not State.STOPPED:
             timeout = self.next_timeout(time.monotonic())
@@ -706,6 +709,8 @@ class Arbiter:
                 deadlines.append(handle.last_seen + timeout)
         if self.respawn_after > now:
             deadlines.append(self.respawn_after)
+        if self.next_watchdog is not None:
+            deadlines.append(self.next_watchdog)
         if not deadlines:
             return None
         return max(min(deadlines) - now, 0.0)
@@ -723,6 +728,10 @@ class Arbiter:
                 handle.kill_reason = f"a timeout ({timeout:g}s without a {what})"
                 self.send(handle, signal.SIGABRT)
                 self.escalate(handle, now + KILL_GRACE, signal.SIGKILL)
+        if self.next_watchdog is not None and now >= self.next_watchdog:
+            # The loop is alive enough to get here: that is what the watchdog asks.
+            self.notifier.watchdog()
+            self.next_watchdog = now + self.notifier.watchdog_interval
         if self.lameduck_until is not None and now >= self.lameduck_until:
             self.begin_drain()
         if self.state in (State.DRAINING, State.CANCELLING) and now >= self.next_progress:

@@ -69,7 +69,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         except AppLoadError as exc:
             log.error(f"Application could not be loaded: {exc}")
             return ExitCode.APP_LOAD_ERROR
-        sys.stdout.write(f"forkserve: configuration OK; {config.describe()}\n")
+        budget = config.lameduck + config.drain_timeout + config.cancel_grace
+        margin = 3
+        sys.stdout.write(
+            f"forkserve: configuration OK; {config.describe()}\n"
+            f"forkserve: shutdown budget {budget:g}s = lameduck {config.lameduck:g}s + drain "
+            f"{config.drain_timeout:g}s + cancel grace {config.cancel_grace:g}s (+ flush); "
+            f"set systemd TimeoutStopSec={budget + margin:g}, Kubernetes "
+            f"terminationGracePeriodSeconds: {int(budget + margin + 0.999)}, "
+            f"docker stop --time {int(budget + margin + 0.999)}\n")
         return ExitCode.OK
 
     app = None

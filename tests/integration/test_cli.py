@@ -80,9 +80,20 @@ def test_check_good_app_binds_nothing(busy_port: int) -> None:
     # The address is taken: if --check tried to bind it, it would fail.
     result = forkserve("--check", "-w", "3", "-b", f"127.0.0.1:{busy_port}", "tests.apps:app")
     assert result.returncode == 0, result.stderr
-    line = one_line(result.stdout)
-    assert "tests.apps:app" in line and "3" in line and str(busy_port) in line
+    summary, budget = result.stdout.splitlines()
+    assert "tests.apps:app" in summary and "3" in summary and str(busy_port) in summary
     assert result.stderr == ""
+    # Issue 4: the shutdown budget and what it implies for the supervisors.
+    assert "shutdown budget 27s" in budget
+    assert "TimeoutStopSec=30" in budget and "terminationGracePeriodSeconds: 30" in budget
+    assert "docker stop --time 30" in budget
+
+
+def test_check_budget_follows_the_settings() -> None:
+    result = forkserve("--check", "--lameduck", "5", "--drain-timeout", "40", "--cancel-grace", "3",
+                       "tests.apps:app")
+    assert result.returncode == 0, result.stderr
+    assert "shutdown budget 48s" in result.stdout and "TimeoutStopSec=51" in result.stdout
 
 
 @pytest.mark.parametrize("app, env_extra, expected", [
