@@ -328,7 +328,7 @@ class Arbiter:
     def exec_upgrade(self) -> None:
         self.notify("reloading")
         handover = {
-            "listeners": [[l.fd, l.address] for l in self.listeners],
+            "listeners": [[l.fd, l.address, l.unix_path is not None] for l in self.listeners],
             "counter": [self.counter_r, self.counter_w],
             "alive": [self.alive_r, self.alive_w],
             "workers": [[h.pid, h.worker_id, h.generation] for h in self.workers.values()],
@@ -429,6 +429,8 @@ class Arbiter:
         if name == "listeners":
             if not self.listeners:
                 return {"ok": False, "error": "not listening (paused or stopping)"}, []
+            for listener in self.listeners:
+                listener.unix_path = None  # shared with the successor now: never unlink it
             return ({"ok": True, "listeners": [l.name() for l in self.listeners]},
                     [l.fd for l in self.listeners])
         return {"ok": False, "error": f"unknown command {name!r}"}, []

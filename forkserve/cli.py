@@ -125,7 +125,8 @@ def open_listeners(config: Config, handover: dict[str, Any] | None, log: Log) ->
     (--takeover), or bound — with the -sf/-st fallback when the port is taken."""
     inherited: list[Listener] = []
     if handover is not None:
-        inherited = [adopt(socket.socket(fileno=fd), address) for fd, address in handover["listeners"]]
+        inherited = [adopt(socket.socket(fileno=fd), address, owned=bool(owned))
+                     for fd, address, owned in handover["listeners"]]
         return bind(config.bind, config.backlog, config.reuse_port, inherited)
     activated = listen_fds(os.environ, os.getpid())
     if activated:

@@ -31,6 +31,9 @@ class Listener:
         """The real address, with the port the kernel chose for port 0."""
         if self.unix_path is not None:
             return f"unix:{self.unix_path}"
+        if self.sock.family == socket.AF_UNIX:
+            path = self.sock.getsockname()
+            return f"unix:{path.decode() if isinstance(path, bytes) else path}"
         host, port = self.sock.getsockname()[:2]
         if self.sock.family == socket.AF_INET6:
             return f"[{host}]:{port}"
@@ -130,11 +133,13 @@ class AddressInUse(BindError):
     """The port is taken: a handoff (-sf/-st) may free it by pausing the old instance."""
 
 
-def adopt(sock: socket.socket, address: str) -> Listener:
-    """A listening socket handed to us (upgrade, takeover, socket activation)."""
+def adopt(sock: socket.socket, address: str, owned: bool = False) -> Listener:
+    """A listening socket handed to us (upgrade, takeover, socket activation). Only an
+    ``owned`` unix socket's path is removed at exit: under socket activation the path is the
+    service manager's, after a takeover it is shared with the instance we replaced."""
     sock.setblocking(False)
     os.set_inheritable(sock.fileno(), False)
-    path = address[5:] if address.startswith("unix:") else None
+    path = address[5:] if address.startswith("unix:") and owned else None
     return Listener(sock, address, path)
 
 

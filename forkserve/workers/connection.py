@@ -39,7 +39,7 @@ class Abandoned(Exception):
 class Connection:
     __slots__ = ("sock", "fd", "remote", "parser", "events", "io_timeout", "exchange",
                  "continue_sent", "received", "_poll", "closed", "should_close", "released",
-                 "interrupt_fd", "interrupted", "reading_head")
+                 "interrupt_fd", "interrupted", "reading_head", "served", "cutoff")
 
     def __init__(self, sock: socket.socket, remote: tuple[str, str], limits: Limits,
                  io_timeout: float, interrupt_fd: int = -1,
@@ -62,6 +62,8 @@ class Connection:
         self.interrupt_fd = interrupt_fd
         self.interrupted = interrupted
         self.reading_head = False
+        self.served = 0  # requests answered on this connection
+        self.cutoff: float | None = None  # a stopping worker's limit on this wait (Abandoned)
         self.should_close = _never
 
     # -- waiting -------------------------------------------------------------------------
@@ -74,7 +76,10 @@ class Connection:
                 poller.register(self.interrupt_fd, select.POLLIN)
         poller.modify(self.fd, flag)
         while True:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            if self.cutoff is not None and now >= self.cutoff:
+                raise Abandoned()
+            remaining = min(deadline, self.cutoff or deadline) - now
             if remaining <= 0:
                 raise Timeout()
             ready = poller.poll(remaining * 1000.0 + 1)
@@ -128,6 +133,8 @@ class Connection:
                     return None
         finally:
             self.reading_head = False
+        self.served = 0  # requests answered on this connection
+        self.cutoff: float | None = None  # a stopping worker's limit on this wait (Abandoned)
         head = events.popleft()
         if type(head) is not Request:
             raise head  # a queued HTTPError: see _queue_error

@@ -25,6 +25,7 @@ from forkserve.wsgi import (ClientGone, ErrorStream, Exchange, FileWrapper, Head
                             base_environ, build_environ)
 
 POLLIN = select.POLLIN
+NEW_CONNECTION_GRACE = 0.5  # seconds a silent new connection gets once the worker stops
 RUNNING = WorkerState.RUNNING
 
 
@@ -156,8 +157,14 @@ class SyncWorker(Worker):
         state = self.state
         if state is WorkerState.CANCELLED or state is WorkerState.HALTING:
             return True  # the deadline passed: nothing may keep this worker any longer
-        # At drain start, a client that has not begun its request is an idle connection.
-        return state is not RUNNING and conn.reading_head and not conn.received
+        if state is not RUNNING and conn.reading_head and not conn.received:
+            if conn.served:
+                return True  # between requests: an idle keep-alive connection, closed now
+            # Just accepted and silent: its client may be about to send (a reload must not
+            # drop it), or may be a pre-connect that never will. A short grace tells which.
+            if conn.cutoff is None:
+                conn.cutoff = time.monotonic() + NEW_CONNECTION_GRACE
+        return False
 
     def _should_close(self) -> bool:
         """Asked as a response head is written: close rather than keep this client alive?"""
@@ -199,6 +206,7 @@ class SyncWorker(Worker):
                 if request is None:
                     return
                 keep = self._serve(conn, request, base)
+                conn.served += 1
                 if not keep or self.state is not RUNNING:
                     linger = conn.has_unread()
                     return
@@ -256,7 +264,11 @@ class SyncWorker(Worker):
                     self._handle(*newcomer)
                 finally:
                     self.parked.remove(conn)
-        return False
+        # Stopping: if the client's next request is already here, answer it (with Connection:
+        # close) rather than close under it; otherwise close now (idle).
+        ready_now = select.poll()
+        ready_now.register(conn.fd, POLLIN)
+        return bool(ready_now.poll(0))
 
     def _refuse(self, conn: Connection, status: int, reason: str) -> None:
         """A request the server answers itself: it never reaches the application."""
