@@ -96,6 +96,7 @@ class Arbiter:
     paused_addresses: list[str] = field(default_factory=list)
     notifier: Any = None  # forkserve.systemd.Notifier, when systemd is listening
     next_watchdog: float | None = None  # next WATCHDOG=1, when systemd asks for them
+    fresh: set[int] | None = None  # workers heard from since refresh_counters() asked
 
     # -- set-up ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -435,7 +436,31 @@ class Arbiter:
                     [l.fd for l in self.listeners])
         return {"ok": False, "error": f"unknown command {name!r}"}, []
 
+    def control_fds(self) -> list[int]:
+        """The control socket and its clients: a worker must not hold them (a client would
+        then never see its answer's end of file)."""
+        if self.control is None:
+            return []
+        return [self.control.fileno(), *self.control.clients]
+
+    def refresh_counters(self, timeout: float) -> None:
+        """Ask every worker for its numbers now (SIGWINCH: its handler writes one record) and
+        wait a moment for the answers. A busy sync worker sends heartbeats only between
+        requests, so without this, status would show its last idle numbers."""
+        self.fresh = set()
+        for handle in self.workers.values():
+            self.send(handle, signal.SIGWINCH)
+        deadline = time.monotonic() + timeout
+        while not set(self.workers) <= self.fresh:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            select.select([self.counter_r], [], [], remaining)
+            self.read_counters()
+        self.fresh = None
+
     def status(self) -> dict[str, Any]:
+        self.refresh_counters(0.25)
         now = time.monotonic()
         return {
             "ok": True, "state": self.state.value, "generation": self.generation,
@@ -460,7 +485,7 @@ class Arbiter:
                     worker_id, self.generation, self.settings, self.listeners, self.counter_w,
                     self.alive_r, self.log, self.app,
                     close_fds=[self.counter_r, self.alive_w, self.signals.read_fd,
-                               self.signals.write_fd])
+                               self.signals.write_fd, *self.control_fds()])
                 worker.run_child()
             finally:
                 os._exit(ExitCode.ERROR)
@@ -521,6 +546,8 @@ class Arbiter:
                     self.on_record(handle, record, now)
 
     def on_record(self, handle: WorkerHandle, record: Record, now: float) -> None:
+        if self.fresh is not None:
+            self.fresh.add(handle.pid)
         handle.last_seen = now
         handle.active_connections = record.active_connections
         handle.in_flight_requests = record.in_flight_requests

@@ -47,7 +47,7 @@ class HardStop(BaseException):
 
 
 WORKER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGABRT,
-                  signal.SIGHUP, signal.SIGUSR2, signal.SIGTTIN, signal.SIGTTOU)
+                  signal.SIGHUP, signal.SIGUSR2, signal.SIGTTIN, signal.SIGTTOU, signal.SIGWINCH)
 
 
 class WorkerSettings:
@@ -152,6 +152,7 @@ class Worker:
         }
         handlers[signal.SIGUSR2] = self._on_cancel
         handlers[signal.SIGTTOU] = self._on_pause
+        handlers[signal.SIGWINCH] = self._on_report
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
         # The arbiter's signals, not ours. SIGINT too: Ctrl-C in a terminal reaches the whole
@@ -201,6 +202,7 @@ class Worker:
     # -- runs in a signal handler: record and wake the loop (the wakeup fd does that). The
     # documented exceptions, each needed because a busy sync worker's loop cannot act until
     # its request ends:
+    #  - SIGWINCH (the arbiter's status asks) writes one atomic record of our counters;
     #  - TERM writes one atomic record (the arbiter learns this worker's live counters at
     #    once), half-closes parked idle keep-alive connections, and, when the worker is inside a connection and its accept queues are empty,
     #    closes its own listening sockets, so new clients are refused now, not at the end of
@@ -214,6 +216,10 @@ class Worker:
         for conn in self.parked:
             conn.end_output()  # idle keep-alive clients see the close now (drain step 3)
         self._release_listeners()
+
+    def _on_report(self, signum: int, frame: Any) -> None:
+        """SIGWINCH: the arbiter wants live numbers (status); one atomic record, as on TERM."""
+        self.counters.snapshot()
 
     def _on_pause(self, signum: int, frame: Any) -> None:
         """TTOU: stop listening (serve what is queued first), keep serving connections."""

@@ -133,8 +133,6 @@ class Connection:
                     return None
         finally:
             self.reading_head = False
-        self.served = 0  # requests answered on this connection
-        self.cutoff: float | None = None  # a stopping worker's limit on this wait (Abandoned)
         head = events.popleft()
         if type(head) is not Request:
             raise head  # a queued HTTPError: see _queue_error

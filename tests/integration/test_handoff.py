@@ -1,0 +1,220 @@
+"""Handoff between two separately started instances (HAProxy's -sf / -st), and TTOU / TTIN.
+
+The old instance answers ``old PID``, the new one ``new PID`` (``tests.apps_reload`` with two
+version files), so the load shows who served every request. The load uses a fresh connection
+per request: a connection refused or reset during the handoff is a failed request.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from tests.harness import Server, closed_without_response, get, read_response, refused, send_get, wait_for
+from tests.load import Load
+
+APP = "tests.apps_reload:app"
+THREADS = 4
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def ctl_dir() -> Iterator[Path]:
+    """A short directory for unix sockets (sun_path holds 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="fsho-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def version_file(tmp_path: Path, name: str) -> Path:
+    path = tmp_path / f"version-{name}"
+    path.write_text(name)
+    return path
+
+
+def start_old(server_factory: Any, tmp_path: Path, *args: str) -> Server:
+    server = server_factory(*args, app=APP, env={"RELOAD_VERSION_FILE": str(version_file(tmp_path, "old"))})
+    return server.wait_ready()  # type: ignore[no-any-return]
+
+
+def start_new(server_factory: Any, tmp_path: Path, old: Server, *args: str,
+              bind: str | None = None) -> Server:
+    """The new instance, on the old one's port. The app comes before the options so that a
+    ``-sf PID...`` list cannot swallow it."""
+    return server_factory(APP, *args, app="", bind=bind or f"127.0.0.1:{old.port}",  # type: ignore[no-any-return]
+                          env={"RELOAD_VERSION_FILE": str(version_file(tmp_path, "new"))})
+
+
+def version_of(body: bytes) -> str:
+    return body.split()[0].decode()
+
+
+def pid_of(body: bytes) -> int:
+    return int(body.split()[1])
+
+
+def worker_set(server: Server, count: int, timeout: float = 10.0) -> set[int]:
+    return set(wait_for(lambda: len(server.workers()) == count and server.workers(), timeout,
+                        f"{count} workers, have {server.workers()}"))
+
+
+def errors(server: Server) -> list[dict[str, Any]]:
+    return [r for r in server.records() if r.get("level") == "ERROR"]
+
+
+def listening(server: Server) -> str:
+    return str(server.wait_log("Starting forkserve")["listening"])
+
+
+def report(name: str, load: Load) -> None:
+    print(f"\n[{name}] {load.summary()}")
+
+
+def soft_handoff_under_load(server_factory: Any, tmp_path: Path, old: Server, *new_args: str,
+                            name: str) -> None:
+    """Start a new instance with ``new_args`` ``-sf OLDPID`` while the load runs against the port;
+    the old one must exit 0 and the new one serve, without one failed request."""
+    old_workers = worker_set(old, 2)
+    load = Load(old.port, threads=THREADS, seconds=60).start()
+    try:
+        load.wait_requests(1000)  # under way well before the handoff...
+        mark = time.monotonic()
+        new = start_new(server_factory, tmp_path, old, *new_args, "-sf", str(old.pid))
+        new.wait_ready()
+        assert listening(new) == f"127.0.0.1:{old.port}"
+        assert old.wait_exit(20) == 0, old.log_text()
+        gone = time.monotonic()
+        new_workers = worker_set(new, 2)
+        load.wait_body(lambda b: version_of(b) == "new", mark, 10, "a response from the new instance")
+        load.wait_requests(1000)  # ...and until well after it
+        assert not [b for b in load.since(gone + 0.5) if version_of(b) == "old"], \
+            "the old instance answered after it exited"
+    finally:
+        load.stop()
+    report(name, load)
+    assert load.failures == [], f"{load.summary()}: {load.failures[:20]}"
+    who = {pid: "old" for pid in old_workers} | {pid: "new" for pid in new_workers}
+    wrong = [b for _, b in load.bodies if who.get(pid_of(b)) != version_of(b)]
+    assert not wrong, f"responses from unknown workers: {wrong[:10]}"
+    old.wait_log("Server stopped", timeout=5)
+    assert errors(old) == [], old.log_text()
+    assert errors(new) == [], new.log_text()
+    assert new.proc.poll() is None
+    assert version_of(get(old.port, "/").body) == "new"
+
+
+# -- -sf ----------------------------------------------------------------------------------------
+
+def test_takeover_handoff_under_load(server_factory: Any, tmp_path: Path, ctl_dir: Path) -> None:
+    control = ctl_dir / "old.sock"
+    old = start_old(server_factory, tmp_path, "--control-socket", str(control))
+    wait_for(control.exists, 5, "the old instance's control socket")
+    soft_handoff_under_load(server_factory, tmp_path, old, "--takeover", str(control),
+                            name="-sf --takeover")
+
+
+def test_reuse_port_handoff_under_load(server_factory: Any, tmp_path: Path) -> None:
+    old = start_old(server_factory, tmp_path, "--reuse-port")
+    soft_handoff_under_load(server_factory, tmp_path, old, "--reuse-port", name="-sf --reuse-port")
+
+
+# -- -st ----------------------------------------------------------------------------------------
+
+def test_st_stops_the_old_instance_at_once(server_factory: Any, tmp_path: Path, ctl_dir: Path,
+                                           gates: Any) -> None:
+    control = ctl_dir / "old.sock"
+    # A request stuck in the old instance: a graceful stop would wait up to the drain timeout.
+    old = start_old(server_factory, tmp_path, "--control-socket", str(control), "--drain-timeout", "30")
+    wait_for(control.exists, 5, "the old instance's control socket")
+    gate = gates()
+    with send_get(old.port, gate.route) as stuck:
+        gate.wait_entered()
+        new = start_new(server_factory, tmp_path, old, "--takeover", str(control), "-st", str(old.pid))
+        new.wait_ready()
+        ready = time.monotonic()
+        assert old.wait_exit(5) == 0, old.log_text()
+        assert time.monotonic() - ready < 5
+        old.wait_log("Hard stop")
+        assert closed_without_response(stuck, 5)
+    assert version_of(get(old.port, "/").body) == "new"
+    assert new.proc.poll() is None
+
+
+# -- the failure path ---------------------------------------------------------------------------
+
+def test_port_held_by_a_foreign_process(server_factory: Any, tmp_path: Path, gates: Any) -> None:
+    """The new instance wants two addresses: the old instance's port and one a foreign process
+    holds (bound and listening without SO_REUSEPORT). Its bind fails; it sends TTOU, the old one
+    frees its port, the retry still fails on the foreign one; it sends TTIN and exits 1 with one
+    error line. The old instance serves what it had in flight throughout, and serves after."""
+    old = start_old(server_factory, tmp_path)
+    old_port = old.port
+    with socket.socket() as foreign:
+        foreign.bind(("127.0.0.1", 0))
+        foreign.listen(8)
+        foreign_port = foreign.getsockname()[1]
+        gate = gates()
+        with send_get(old_port, gate.route) as in_flight:
+            gate.wait_entered()
+            new = start_new(server_factory, tmp_path, old, "-b", f"127.0.0.1:{foreign_port}",
+                            "-sf", str(old.pid))
+            assert new.wait_exit(20) == 1, new.log_text()
+            wait_for(lambda: errors(new), 5, "the new instance's error line")
+            lines = errors(new)
+            assert len(lines) == 1, new.log_text()
+            assert f":{foreign_port}" in lines[0]["message"], lines
+            assert not [l for l in new.lines if not l.startswith("{")], new.log_text()
+            paused = old.wait_log("Paused: not listening")
+            resumed = old.wait_log("Resumed: listening again")
+            records = old.records()
+            assert records.index(paused) < records.index(resumed)
+            # The request in flight during the pause is served.
+            gate.release()
+            response = read_response(in_flight)
+            assert response.status == 200 and response.body == b"released"
+    wait_for(lambda: not refused(old_port), 5, "the old instance to listen again")
+    for _ in range(4):
+        response = get(old_port, "/")
+        assert response.status == 200 and version_of(response.body) == "old"
+    assert old.proc.poll() is None
+    assert old.count_log("Received shutdown signal") == 0
+    assert errors(old) == [], old.log_text()
+
+
+# -- TTOU / TTIN by signal ----------------------------------------------------------------------
+
+def test_ttou_pauses_and_ttin_resumes(server_factory: Any, tmp_path: Path, gates: Any) -> None:
+    old = start_old(server_factory, tmp_path)
+    port = old.port
+    before = worker_set(old, 2)
+    gate = gates()
+    with send_get(port, gate.route) as in_flight:
+        gate.wait_entered()
+        old.signal(signal.SIGTTOU)
+        old.wait_log("Paused: not listening")
+        wait_for(lambda: refused(port), 5, "connections to be refused while paused")
+        with socket.socket() as probe:  # closed in every process: the port is free
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(("127.0.0.1", port))
+            probe.listen(1)
+        gate.release()
+        response = read_response(in_flight)
+        assert response.status == 200 and response.body == b"released"
+    old.signal(signal.SIGTTIN)
+    old.wait_log("Resumed: listening again")
+    assert not refused(port)
+    after = worker_set(old, 2)
+    assert not after & before, "resuming starts a new generation of workers"
+    response = get(port, "/")
+    assert response.status == 200 and pid_of(response.body) in after
+    assert errors(old) == [], old.log_text()
+    old.signal(signal.SIGTERM)
+    assert old.wait_exit(10) == 0
