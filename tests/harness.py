@@ -36,6 +36,12 @@ def wait_for(predicate: Callable[[], Any], timeout: float = DEFAULT_TIMEOUT, wha
         time.sleep(interval)
 
 
+def worker_set(server: "Server", count: int, timeout: float = 10.0) -> set[int]:
+    """Wait until the arbiter has exactly ``count`` children; return their pids."""
+    return set(wait_for(lambda: len(server.workers()) == count and server.workers(), timeout,
+                        f"{count} workers, have {server.workers()}"))
+
+
 def process_group(pgid: int) -> list[int]:
     """Live (non-zombie) processes of a process group, read from /proc."""
     pids = []

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.harness import ROOT, Server, get, read_response, refused, send_get, wait_for
+from tests.harness import worker_set, ROOT, Server, get, read_response, refused, send_get, wait_for
 
 APP = "tests.apps_reload:app"
 WORKER_FIELDS = {"pid", "worker_id", "generation", "age", "requests_served", "active_connections",
@@ -71,10 +71,6 @@ def start(server_factory: Any, ctl_dir: Path, *args: str, workers: int = 2) -> t
     wait_for(path.exists, 5, f"the control socket {path}")
     return server, path
 
-
-def worker_set(server: Server, count: int, timeout: float = 10.0) -> set[int]:
-    return set(wait_for(lambda: len(server.workers()) == count and server.workers(), timeout,
-                        f"{count} workers, have {server.workers()}"))
 
 
 def errors(server: Server) -> list[dict[str, Any]]:

@@ -17,7 +17,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.harness import Server, closed_without_response, get, read_response, refused, send_get, wait_for
+from tests.integration.test_reload import pid_of, version_of
+from tests.harness import worker_set, Server, closed_without_response, get, read_response, refused, send_get, wait_for
 from tests.load import Load
 
 APP = "tests.apps_reload:app"
@@ -53,17 +54,6 @@ def start_new(server_factory: Any, tmp_path: Path, old: Server, *args: str,
                           env={"RELOAD_VERSION_FILE": str(version_file(tmp_path, "new"))})
 
 
-def version_of(body: bytes) -> str:
-    return body.split()[0].decode()
-
-
-def pid_of(body: bytes) -> int:
-    return int(body.split()[1])
-
-
-def worker_set(server: Server, count: int, timeout: float = 10.0) -> set[int]:
-    return set(wait_for(lambda: len(server.workers()) == count and server.workers(), timeout,
-                        f"{count} workers, have {server.workers()}"))
 
 
 def errors(server: Server) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import (Server, closed_without_response, get, process_group, read_response,
+from tests.harness import (worker_set, Server, closed_without_response, get, process_group, read_response,
                            refused, send_get, wait_for)
 
 APP_LOAD_ERROR = 4
@@ -28,11 +28,6 @@ WORKER_BOOT_ERROR = 3
 def errors(server: Server) -> list[dict[str, Any]]:
     return [r for r in server.records() if r.get("level") == "ERROR"]
 
-
-def worker_set(server: Server, count: int, timeout: float = 10.0) -> set[int]:
-    """Wait until the arbiter has exactly ``count`` children; return their pids."""
-    return set(wait_for(lambda: len(server.workers()) == count and server.workers(), timeout,
-                        f"{count} workers, have {server.workers()}"))
 
 
 def exit_code(server: Server, timeout: float) -> int:

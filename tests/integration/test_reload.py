@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.harness import Server, get, open_fds, wait_for
+from tests.harness import worker_set, Server, get, open_fds, wait_for
 from tests.load import Load
 
 APP = "tests.apps_reload:app"
@@ -37,10 +37,6 @@ def version_of(body: bytes) -> str:
 def pid_of(body: bytes) -> int:
     return int(body.split()[1])
 
-
-def worker_set(server: Server, count: int, timeout: float = 10.0) -> set[int]:
-    return set(wait_for(lambda: len(server.workers()) == count and server.workers(), timeout,
-                        f"{count} workers, have {server.workers()}"))
 
 
 def replaced(server: Server, old: set[int], count: int = 2, timeout: float = 15.0) -> set[int]:
