@@ -7,6 +7,7 @@ import importlib
 
 WORKER_CLASSES = {
     "sync": ("forkserve.workers.sync", "SyncWorker"),
+    "gevent": ("forkserve.workers.gevent", "GeventWorker"),
 }
 
 

@@ -64,6 +64,8 @@ class WorkerSettings:
         self.span_log: str | None = config.span_log
         self.background_threads: int = config.background_threads
         self.cancel_grace: float = config.cancel_grace
+        self.max_connections: int = config.max_connections
+        self.worker_connections: int = config.worker_connections
         self.limits = Limits(config.limit_request_line, config.limit_request_fields,
                              config.limit_request_field_size, config.limit_request_body)
 

@@ -12,7 +12,7 @@ import os
 import select
 import socket
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from forkserve.http import END, HTTPError, Limits, Request, RequestParser
 from forkserve.http.response import CONTINUE
@@ -39,7 +39,7 @@ class Abandoned(Exception):
 class Connection:
     __slots__ = ("sock", "fd", "remote", "parser", "events", "io_timeout", "exchange",
                  "continue_sent", "received", "_poll", "closed", "should_close", "released",
-                 "interrupt_fd", "interrupted", "reading_head", "served", "cutoff")
+                 "interrupt_fd", "interrupted", "reading_head", "served", "cutoff", "owner")
 
     def __init__(self, sock: socket.socket, remote: tuple[str, str], limits: Limits,
                  io_timeout: float, interrupt_fd: int = -1,
@@ -63,6 +63,7 @@ class Connection:
         self.interrupted = interrupted
         self.reading_head = False
         self.served = 0  # requests answered on this connection
+        self.owner: Any = None  # the greenlet or thread serving it (gevent and thread workers)
         self.cutoff: float | None = None  # a stopping worker's limit on this wait (Abandoned)
         self.should_close = _never
 
@@ -88,6 +89,10 @@ class Connection:
                     return
                 if self.interrupted is not None and self.interrupted(self):
                     raise Abandoned()
+
+    def wait_readable(self, deadline: float) -> None:
+        """Until the client sends something (Timeout, Abandoned at a stop)."""
+        self._wait(select.POLLIN, deadline)
 
     # -- reading -------------------------------------------------------------------------
     def recv(self, deadline: float) -> bool:

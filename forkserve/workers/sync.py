@@ -30,14 +30,27 @@ RUNNING = WorkerState.RUNNING
 
 
 class SyncWorker(Worker):
-    def serve(self) -> None:
+    multithread = False
+
+    def setup_http(self) -> None:
+        """What every request on this worker shares: the Date cache, header keys, environs."""
         self.dates = DateCache()
         self.keys = HeaderKeys()
         errors = ErrorStream(lambda: self.log.fd)
         self.environs = {}
         for listener in self.listeners:
             name, port = listener.server_name_port()
-            self.environs[listener.fd] = base_environ(name, port, errors)
+            self.environs[listener.fd] = base_environ(name, port, errors, self.multithread)
+        self.connections: set[Connection] = set()
+
+    def open_connection(self, sock: socket.socket, remote: tuple[str, str]) -> Connection:
+        conn = Connection(sock, remote, self.settings.limits, self.settings.header_timeout,
+                          self.wakeup_r, self._interrupted)
+        conn.should_close = self._should_close
+        return conn
+
+    def serve(self) -> None:
+        self.setup_http()
         # The listeners alone: the zero-timeout "is anyone waiting?" check.
         self.waiting_poll = select.poll()
         # Everything that can end a wait: listeners, signals, the arbiter's death.
@@ -178,12 +191,11 @@ class SyncWorker(Worker):
             remote = (addr[0], str(addr[1]))
         else:
             remote = ("127.0.0.1", "0")  # unix socket peers have no address
-        conn = Connection(sock, remote, settings.limits, settings.header_timeout,
-                          self.wakeup_r, self._interrupted)
-        conn.should_close = self._should_close
+        conn = self.open_connection(sock, remote)
         base = self.environs[listener.fd]
         counters = self.counters
         counters.active_connections += 1
+        self.connections.add(conn)
         self.busy = True
         linger = False
         try:
@@ -217,6 +229,7 @@ class SyncWorker(Worker):
         except ClientGone:
             return
         finally:
+            self.connections.discard(conn)
             self.busy = bool(self.parked)
             conn.close(linger)
             if not conn.released:

@@ -27,7 +27,7 @@ import pytest
 from tests.harness import (Gate, Server, closed_without_response, get, open_fds, read_response,
                            refused, send_get, wait_for)
 
-WORKER_CLASSES = ["sync"]
+WORKER_CLASSES = ["sync", "gevent"]
 by_worker_class = pytest.mark.parametrize("worker_class", WORKER_CLASSES)
 
 DRAINING = "Draining in-flight connections"

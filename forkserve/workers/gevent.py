@@ -1,0 +1,260 @@
+"""The gevent worker: one greenlet per connection, up to ``--worker-connections`` (and
+``--max-connections``) at once, with the sync worker's request handling and the same drain.
+
+Owns: monkey-patching (first thing after fork, before the application is imported: an app
+that imported ``ssl`` or ``threading`` unpatched is gunicorn's classic gevent bug), the
+acceptor greenlets, and the signal handling of a process whose main thread is gevent's hub.
+This is the only module that imports gevent, and it does so inside the worker process only
+(the arbiter loads this module by name but never runs these functions).
+
+Differences from the sync worker, all following from many connections per process:
+- keep-alive is never given up for fairness (nobody waits behind an idle connection); it ends
+  only at ``--keepalive`` or at the drain;
+- signals arrive through ``gevent.signal_handler`` (a greenlet per signal), so a stop, cancel
+  or hard stop acts on each connection's greenlet: ``kill(RequestCancelled)`` interrupts any
+  cooperative wait — a sleep, a socket read, an upstream HTTP call;
+- the background pool's threads are greenlets (``threading`` is patched).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+from forkserve.context import RequestCancelled
+from forkserve.http.response import simple_response
+from forkserve.sockets import Listener
+from forkserve.workers.base import HardStop, WorkerState
+from forkserve.workers.connection import Abandoned, Connection
+from forkserve.workers.sync import NEW_CONNECTION_GRACE, SyncWorker
+from forkserve.wsgi import ClientGone
+
+RUNNING = WorkerState.RUNNING
+
+
+class _Wake(Exception):
+    """Thrown into an acceptor to make it look at the worker's state again."""
+
+
+class GeventWorker(SyncWorker):
+    multithread = False  # greenlets: wsgi.multithread stays False, as gunicorn's gevent worker
+
+    def _post_fork(self) -> None:
+        from gevent import monkey
+
+        # Before anything else in the child, and long before the app is imported.
+        monkey.patch_all()
+        super()._post_fork()
+        import gevent
+
+        self._gevent = gevent
+        for signum, handler in ((signal.SIGTERM, self._g_term), (signal.SIGQUIT, self._g_quit),
+                                (signal.SIGUSR2, self._g_cancel), (signal.SIGABRT, self._g_abort),
+                                (signal.SIGUSR1, self._g_reopen), (signal.SIGTTOU, self._g_pause),
+                                (signal.SIGWINCH, self.counters.snapshot)):
+            gevent.signal_handler(signum, handler)
+
+    # -- serving -----------------------------------------------------------------------------
+    def open_connection(self, sock: socket.socket, remote: tuple[str, str]) -> Connection:
+        conn = Connection(sock, remote, self.settings.limits, self.settings.header_timeout)
+        conn.should_close = self._should_close
+        conn.owner = self._gevent.getcurrent()
+        return conn
+
+    def _should_close(self) -> bool:
+        return self.state is not RUNNING or self.settings.keepalive <= 0
+
+    def serve(self) -> None:
+        gevent = self._gevent
+        from gevent.pool import Pool
+
+        self.setup_http()
+        limit = min(self.worker_connections, self.max_connections)
+        self.conn_pool = Pool(limit)
+        self.acceptors = [gevent.spawn(self._acceptor, listener) for listener in self.listeners]
+        ticker = gevent.spawn(self._ticker)
+        watcher = gevent.spawn(self._watch_arbiter)
+        try:
+            gevent.joinall(self.acceptors)
+            self.conn_pool.join()
+        finally:
+            ticker.kill(block=False)
+            watcher.kill(block=False)
+            for listener in self.listeners:
+                listener.sock.close()
+
+    @property
+    def worker_connections(self) -> int:
+        return self.settings.worker_connections
+
+    @property
+    def max_connections(self) -> int:
+        return self.settings.max_connections
+
+    def _acceptor(self, listener: Listener) -> None:
+        from gevent.socket import wait_read
+
+        while self.state is RUNNING and not self.pause_requested:
+            try:
+                self.conn_pool.wait_available()
+                if self.state is not RUNNING:
+                    break
+                wait_read(listener.fd)
+            except _Wake:
+                continue
+            self._accept_ready(listener)
+        # Stopping: serve the clients already queued (none is reset), then stop listening;
+        # past the deadline they get a 503 instead. Retiring (max-requests) takes no more.
+        if self.state is WorkerState.STOPPING and not self.retire_reason or self.pause_requested:
+            self._accept_ready(listener)
+        elif self.state is WorkerState.CANCELLED:
+            self._turn_away(listener)
+        listener.sock.close()
+
+    def _accept_ready(self, listener: Listener) -> None:
+        while True:
+            if listener.sock.fileno() < 0:
+                return
+            try:
+                sock, addr = listener.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self.log.warning("accept() failed", error=exc.strerror, worker=self.worker_id)
+                return
+            self.conn_pool.spawn(self._serve_connection, sock, addr, listener)
+            if self.conn_pool.full() and self.state is RUNNING:
+                return  # --worker-connections reached: the rest wait in the backlog
+
+    def _serve_connection(self, sock: socket.socket, addr: Any, listener: Listener) -> None:
+        try:
+            self._handle(sock, addr, listener)
+        except (HardStop, Abandoned, RequestCancelled):
+            return  # thrown in by a stop, a drain or a cancel: the connection is already closed
+
+    def _turn_away(self, listener: Listener) -> None:
+        while listener.sock.fileno() >= 0:
+            try:
+                sock, _ = listener.sock.accept()
+            except OSError:
+                return
+            conn = Connection(sock, ("-", "0"), self.settings.limits, 1.0)
+            try:
+                conn.send(simple_response(503, "Service Unavailable", self.dates))
+            except ClientGone:
+                self.log.debug("A queued client left before its 503")
+            conn.close(linger=True)
+
+    def _wait_idle(self, conn: Connection) -> bool:
+        """Between requests: wait for the client in this greenlet, marked idle for the drain."""
+        keepalive = self.settings.keepalive
+        if keepalive <= 0 or self.state is not RUNNING:
+            return False
+        conn.received = False
+        conn.reading_head = True
+        try:
+            conn.wait_readable(time.monotonic() + keepalive)
+            return True
+        except Exception:  # Timeout, or Abandoned at the drain: the connection ends either way
+            return False
+        finally:
+            conn.reading_head = False
+
+    def _ticker(self) -> None:
+        """Heartbeats and telemetry writes, once per heartbeat interval."""
+        while True:
+            self._gevent.sleep(self.heartbeat_interval)
+            if self.access_log is not None:
+                self.access_log.flush()
+            if self.spans is not None:
+                self.spans.flush()
+            self.heartbeat(time.monotonic())
+
+    def _watch_arbiter(self) -> None:
+        from gevent.socket import wait_read
+
+        wait_read(self.alive_fd)  # EOF: the arbiter is gone
+        self._stop_gracefully()
+        self.arbiter_gone()
+
+    # -- signals (each handler runs in a greenlet of its own) --------------------------------
+    def _wake_acceptors(self) -> None:
+        for acceptor in getattr(self, "acceptors", ()):
+            acceptor.kill(_Wake, block=False)
+        # gevent's signal watchers replace the C handler that would have written the signal
+        # to the wakeup pipe; the wind-down wait (background tasks) watches that pipe.
+        try:
+            os.write(self.wakeup_w, b"\0")
+        except BlockingIOError:
+            return  # full: the waiter is awake anyway
+
+    def _stop_gracefully(self) -> None:
+        if self.state is RUNNING or self.state is WorkerState.BOOTING:
+            self.state = WorkerState.STOPPING
+        self.drain_reported = self.counters.draining()
+        self._wake_acceptors()
+        now = time.monotonic()
+        for conn in list(self.connections):
+            if conn.reading_head and not conn.received:
+                if conn.served:
+                    conn.owner.kill(Abandoned, block=False)  # idle keep-alive: close now
+                else:
+                    # Just accepted and silent: a short grace for its first request.
+                    conn.cutoff = now + NEW_CONNECTION_GRACE
+                    self._gevent.spawn_later(NEW_CONNECTION_GRACE, self._abandon_if_silent, conn)
+
+    def _abandon_if_silent(self, conn: Connection) -> None:
+        if conn in self.connections and conn.reading_head and not conn.received:
+            conn.owner.kill(Abandoned, block=False)
+
+    def _g_term(self) -> None:
+        self._stop_gracefully()
+
+    def _g_cancel(self) -> None:
+        if self.state is not WorkerState.HALTING:
+            self.state = WorkerState.CANCELLED
+        self._wake_acceptors()
+        for conn in list(self.connections):
+            exchange = conn.exchange
+            if exchange is not None or conn.released:
+                self._cancel(conn)
+            elif conn.reading_head:
+                conn.owner.kill(Abandoned, block=False)
+
+    def _cancel(self, conn: Connection) -> None:
+        conn.owner.kill(RequestCancelled("cancelled: the drain timeout passed"), block=False)
+
+    def _g_quit(self) -> None:
+        self.state = WorkerState.HALTING
+        self._wake_acceptors()
+        for conn in list(self.connections):
+            conn.owner.kill(HardStop("hard stop requested"), block=False)
+
+    def _g_abort(self) -> None:
+        self.timed_out = True
+        self._g_quit()
+
+    def _g_reopen(self) -> None:
+        self.log.reopen()
+        if self.access_log is not None:
+            self.access_log.reopen()
+
+    def _g_pause(self) -> None:
+        self.pause_requested = True
+        self._wake_acceptors()
+
+    def handle_wakeups(self) -> None:
+        """The wakeup pipe also carries the background pool's wake-ups; the signals themselves
+        are gevent's to handle, so here the pipe is only drained."""
+        while True:
+            try:
+                if not os.read(self.wakeup_r, 4096):
+                    return
+            except BlockingIOError:
+                return
+
+
+__all__ = ["GeventWorker"]
