@@ -195,9 +195,10 @@ SETTINGS: tuple[Setting, ...] = (
             "after the drain timeout, seconds cancelled requests get for their shutdown "
             "functions before a stuck worker is killed",
             flags=("--cancel-grace",), metavar="SECONDS"),
-    Setting("max_connections", _int(1), 1000,
+    Setting("max_connections", _int(1), None,
             "most connections a worker holds at once; beyond it they wait in the listen backlog "
-            "(a sync worker holds one, plus one parked keep-alive connection)",
+            "(default: the worker class's own: a sync worker holds one, plus one parked "
+            "keep-alive connection; gevent --worker-connections)",
             flags=("--max-connections",), metavar="N"),
     Setting("background_threads", _int(1), 2,
             "threads of each worker's background pool (forkserve.background.submit)",
@@ -369,6 +370,11 @@ def resolve(cli: dict[str, Any], environ: dict[str, str] | os._Environ[str]) -> 
             _apply(values, sources, name, raw, "cli")
     if values["app"] is None:
         raise ConfigError("no application given: forkserve [options] MODULE:APP (see --help)")
+    if values["preload"] and values["worker_class"] == "gevent":
+        # The app would be imported in the arbiter before gevent patches the standard
+        # library in each worker: gunicorn's classic gevent bug. Refuse it outright.
+        raise ConfigError("--preload cannot be used with -k gevent: the application would be "
+                          "imported before gevent patches the standard library")
     return Config(values, sources)
 
 

@@ -245,7 +245,7 @@ class Exchange:
 
     __slots__ = ("transport", "request", "dates", "status", "status_code", "headers",
                  "headers_sent", "content_length", "chunked", "no_body", "close", "sent",
-                 "bytes_sent", "framing_broken", "finished")
+                 "bytes_sent", "framing_broken", "finished", "event_stream")
 
     def __init__(self, transport: Transport, request: Request, dates: DateCache) -> None:
         self.transport = transport
@@ -263,6 +263,7 @@ class Exchange:
         self.bytes_sent = 0  # as the access log counts them (body bytes)
         self.framing_broken = False
         self.finished = False  # the response is complete (the end, or finish_request)
+        self.event_stream = False  # text/event-stream: ends at an event boundary on a drain
 
     # PEP 3333 start_response -----------------------------------------------------------
     def start_response(self, status: str, headers: list[tuple[str, str]],
@@ -295,6 +296,8 @@ class Exchange:
                     raise ValueError(f"invalid Content-Length {value!r}")
                 content_length = int(value)
                 continue
+            if lname == "content-type" and value.startswith("text/event-stream"):
+                self.event_stream = True
             if lname in HOP_BY_HOP:
                 if lname == "connection" and "close" in value.lower():
                     self.close = True

@@ -8,8 +8,28 @@ from __future__ import annotations
 
 import json
 import os
+import select
 from urllib.parse import parse_qs
 from wsgiref.validate import validator
+
+
+def wait_gate(path):
+    """Until the test has opened the FIFO and closed it again. Non-blocking open and a poll
+    wait: cooperative under gevent (a blocking open() of a FIFO would freeze the whole
+    worker), and interruptible by signals in a sync worker."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP)
+        while True:
+            poller.poll()
+            try:
+                if not os.read(fd, 4096):
+                    return
+            except BlockingIOError:
+                continue
+    finally:
+        os.close(fd)
 
 
 def _qs(environ):
@@ -62,9 +82,8 @@ def app(environ, start_response):
         start_response("200 OK", [("Content-Type", "application/octet-stream")])
         return environ["wsgi.file_wrapper"](fh, 8192)
     if path == "/block":
-        # Held in flight until the test opens the FIFO for writing (and writes/closes it).
-        with open(q["fifo"], "rb") as fifo:
-            fifo.read()
+        # Held in flight until the test opens the FIFO for writing and closes it again.
+        wait_gate(q["fifo"])
         return _text(start_response, "200 OK", "released")
     if path == "/big":
         size = int(q.get("size", "1000000"))

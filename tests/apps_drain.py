@@ -35,14 +35,13 @@ Routes
 
 from __future__ import annotations
 
-import os
-import select
 import signal
 import time
 from urllib.parse import parse_qs
 
 import forkserve
 from tests.apps import app as basic_app
+from tests.apps import wait_gate
 
 
 def _qs(environ):
@@ -54,23 +53,7 @@ def _append(path, text):
         fh.write(text + "\n")
 
 
-def _wait_gate(path):
-    """Until the test has opened the FIFO and closed it again. Opened non-blocking and waited
-    on with poll: under gevent that wait is cooperative (a blocking open() of a FIFO would
-    freeze the whole worker), and in a sync worker a signal still interrupts it."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN | select.POLLHUP)
-        while True:
-            poller.poll()
-            try:
-                if not os.read(fd, 4096):
-                    return  # the writer came and went: released
-            except BlockingIOError:
-                continue
-    finally:
-        os.close(fd)
+_wait_gate = wait_gate
 
 
 def _respond(start_response, body, status="200 OK"):

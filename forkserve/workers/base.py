@@ -64,7 +64,7 @@ class WorkerSettings:
         self.span_log: str | None = config.span_log
         self.background_threads: int = config.background_threads
         self.cancel_grace: float = config.cancel_grace
-        self.max_connections: int = config.max_connections
+        self.max_connections: int | None = config.max_connections
         self.worker_connections: int = config.worker_connections
         self.limits = Limits(config.limit_request_line, config.limit_request_fields,
                              config.limit_request_field_size, config.limit_request_body)
@@ -268,6 +268,7 @@ class Worker:
                 self.log.reopen()
                 if self.access_log is not None:
                     self.access_log.reopen()
+                self.log.debug("Worker reopened its log files", worker=self.worker_id)
 
     def arbiter_gone(self) -> None:
         if self.state is WorkerState.RUNNING:

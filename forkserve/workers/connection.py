@@ -90,6 +90,12 @@ class Connection:
                 if self.interrupted is not None and self.interrupted(self):
                     raise Abandoned()
 
+    def readable_now(self) -> bool:
+        """Has the client sent something we have not read (a zero-timeout poll)?"""
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        return bool(poller.poll(0))
+
     def wait_readable(self, deadline: float) -> None:
         """Until the client sends something (Timeout, Abandoned at a stop)."""
         self._wait(select.POLLIN, deadline)

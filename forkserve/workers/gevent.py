@@ -72,7 +72,7 @@ class GeventWorker(SyncWorker):
         from gevent.pool import Pool
 
         self.setup_http()
-        limit = min(self.worker_connections, self.max_connections)
+        limit = min(self.worker_connections, self.max_connections or self.worker_connections)
         self.conn_pool = Pool(limit)
         self.acceptors = [gevent.spawn(self._acceptor, listener) for listener in self.listeners]
         ticker = gevent.spawn(self._ticker)
@@ -91,7 +91,7 @@ class GeventWorker(SyncWorker):
         return self.settings.worker_connections
 
     @property
-    def max_connections(self) -> int:
+    def max_connections(self) -> int | None:
         return self.settings.max_connections
 
     def _acceptor(self, listener: Listener) -> None:
@@ -158,8 +158,8 @@ class GeventWorker(SyncWorker):
         try:
             conn.wait_readable(time.monotonic() + keepalive)
             return True
-        except Exception:  # Timeout, or Abandoned at the drain: the connection ends either way
-            return False
+        except Exception:  # Timeout, or Abandoned at the drain: the connection ends, unless
+            return conn.readable_now()  # its next request is already here (then: answered)
         finally:
             conn.reading_head = False
 
@@ -209,6 +209,18 @@ class GeventWorker(SyncWorker):
     def _abandon_if_silent(self, conn: Connection) -> None:
         if conn in self.connections and conn.reading_head and not conn.received:
             conn.owner.kill(Abandoned, block=False)
+
+    def request_done(self) -> None:
+        super().request_done()
+        if self.state is not RUNNING:
+            self._wake_acceptors()  # retiring (max-requests): the acceptors must notice
+        if self.counters.in_flight_requests == 0:
+            # Nothing else in flight: the worker is about to go idle, so write telemetry now
+            # (as the sync worker does before it waits); under load the ticker batches it.
+            if self.access_log is not None:
+                self.access_log.flush()
+            if self.spans is not None:
+                self.spans.flush()
 
     def _g_term(self) -> None:
         self._stop_gracefully()

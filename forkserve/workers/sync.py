@@ -214,6 +214,8 @@ class SyncWorker(Worker):
                     if conn.received:
                         self._refuse(conn, 503, "Service Unavailable")
                         linger = True
+                    elif self.state is WorkerState.STOPPING and conn.readable_now():
+                        continue  # its request arrived just now: answer it, never reset it
                     return
                 if request is None:
                     return
@@ -279,9 +281,7 @@ class SyncWorker(Worker):
                     self.parked.remove(conn)
         # Stopping: if the client's next request is already here, answer it (with Connection:
         # close) rather than close under it; otherwise close now (idle).
-        ready_now = select.poll()
-        ready_now.register(conn.fd, POLLIN)
-        return bool(ready_now.poll(0))
+        return conn.readable_now()
 
     def _refuse(self, conn: Connection, status: int, reason: str) -> None:
         """A request the server answers itself: it never reaches the application."""
@@ -375,6 +375,12 @@ class SyncWorker(Worker):
                 write = exchange.write
                 for data in result:
                     write(data)
+                    if exchange.event_stream and self.state is not RUNNING:
+                        # Server-sent events never end by themselves: at the drain the stream
+                        # ends after the event just sent, cleanly terminated; the app's
+                        # generator sees GeneratorExit (close() below).
+                        exchange.close = True
+                        break
                 exchange.finish()
         finally:
             close = getattr(result, "close", None)

@@ -448,7 +448,7 @@ def test_usr1_reopens_error_and_access_logs(server_factory: Any, tmp_path: Path)
     error_log = tmp_path / "error.log"
     access_log = tmp_path / "access.log"
     server = server_factory("--error-log", str(error_log), "--access-log", str(access_log),
-                            workers=1)
+                            "--log-level", "debug", workers=1)
     started = wait_file_record(error_log, "Starting forkserve")
     port = int(str(started["listening"]).rsplit(":", 1)[1])
     wait_file_record(error_log, "Server ready")
