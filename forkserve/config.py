@@ -11,6 +11,7 @@ Imports only the standard library and yaml (never the arbiter, workers or http).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field
@@ -370,6 +371,8 @@ def resolve(cli: dict[str, Any], environ: dict[str, str] | os._Environ[str]) -> 
             _apply(values, sources, name, raw, "cli")
     if values["app"] is None:
         raise ConfigError("no application given: forkserve [options] MODULE:APP (see --help)")
+    if values["worker_class"] == "gevent" and importlib.util.find_spec("gevent") is None:
+        raise ConfigError("-k gevent needs gevent: pip install 'forkserve[gevent]'")
     if values["preload"] and values["worker_class"] == "gevent":
         # The app would be imported in the arbiter before gevent patches the standard
         # library in each worker: gunicorn's classic gevent bug. Refuse it outright.

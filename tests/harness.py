@@ -137,14 +137,31 @@ class Server:
             return "\n".join(self.lines)
 
     def wait_log(self, message: str, timeout: float = DEFAULT_TIMEOUT, **fields: Any) -> dict[str, Any]:
-        """The first JSON record whose message contains ``message`` and has ``fields``."""
+        """The first JSON record whose message contains ``message`` and has ``fields``. Fails
+        at once (not at the timeout) when the server exited without logging it."""
         def find() -> dict[str, Any] | None:
             for record in self.records():
                 if message in record.get("message", "") and all(
                         record.get(k) == v for k, v in fields.items()):
                     return record
             return None
-        return wait_for(find, timeout, f"log line {message!r} {fields or ''}\n{self.log_text()}")  # type: ignore[no-any-return]
+
+        def found_or_exited() -> dict[str, Any] | bool | None:
+            record = find()
+            if record is not None:
+                return record
+            if self.proc.poll() is None:
+                return None
+            for reader in self._readers:
+                reader.join(5)  # whatever the process wrote is in the buffers after this
+            return find() or True
+
+        result = wait_for(found_or_exited, timeout,
+                          f"log line {message!r} {fields or ''}\n{self.log_text()}")
+        if result is True:
+            raise AssertionError(f"the server exited (code {self.proc.returncode}) without "
+                                 f"logging {message!r} {fields or ''}\n{self.log_text()}")
+        return result  # type: ignore[no-any-return]
 
     def count_log(self, message: str) -> int:
         return sum(1 for r in self.records() if message in r.get("message", ""))
