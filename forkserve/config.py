@@ -168,10 +168,14 @@ SETTINGS: tuple[Setting, ...] = (
             flags=("-b", "--bind"), metavar="ADDRESS", repeatable=True, reloadable=False),
     Setting("workers", _int(1), None, "number of worker processes (default: CPU count)",
             flags=("-w", "--workers"), metavar="N"),
-    Setting("worker_class", _choice("sync", "gevent"), "sync",
-            "worker type: sync (one connection at a time) or gevent (a greenlet per connection; "
-            "pip install 'forkserve[gevent]')",
+    Setting("worker_class", _choice("sync", "thread", "gevent"), "sync",
+            "worker type: sync (one connection at a time), thread (a pool of --threads request "
+            "threads) or gevent (a greenlet per connection; pip install 'forkserve[gevent]')",
             flags=("-k", "--worker-class"), metavar="CLASS"),
+    Setting("threads", _int(1), 4,
+            "thread worker: request threads per worker (idle keep-alive connections wait in its "
+            "poller, not in a thread)",
+            flags=("--threads",), metavar="N"),
     Setting("worker_connections", _int(1), 1000,
             "gevent worker: most connections served at once per worker",
             flags=("--worker-connections",), metavar="N"),

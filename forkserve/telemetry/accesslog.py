@@ -58,9 +58,10 @@ class AccessLog:
     def flush(self) -> None:
         if not self._lines:
             return
-        data = "".join(self._lines).encode("utf-8", "backslashreplace")
-        self._lines.clear()
+        # Swapped, not cleared: request threads may emit while this runs.
+        lines, self._lines = self._lines, []
         self._size = 0
+        data = "".join(lines).encode("utf-8", "backslashreplace")
         try:
             while data:
                 written = os.write(self.fd, data)

@@ -8,6 +8,7 @@ import importlib
 WORKER_CLASSES = {
     "sync": ("forkserve.workers.sync", "SyncWorker"),
     "gevent": ("forkserve.workers.gevent", "GeventWorker"),
+    "thread": ("forkserve.workers.thread", "ThreadWorker"),
 }
 
 

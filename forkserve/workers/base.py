@@ -66,6 +66,7 @@ class WorkerSettings:
         self.cancel_grace: float = config.cancel_grace
         self.max_connections: int | None = config.max_connections
         self.worker_connections: int = config.worker_connections
+        self.threads: int = config.threads
         self.limits = Limits(config.limit_request_line, config.limit_request_fields,
                              config.limit_request_field_size, config.limit_request_body)
 

@@ -39,7 +39,8 @@ class Abandoned(Exception):
 class Connection:
     __slots__ = ("sock", "fd", "remote", "parser", "events", "io_timeout", "exchange",
                  "continue_sent", "received", "_poll", "closed", "should_close", "released",
-                 "interrupt_fd", "interrupted", "reading_head", "served", "cutoff", "owner")
+                 "interrupt_fd", "interrupted", "reading_head", "served", "cutoff", "owner",
+                 "waiting")
 
     def __init__(self, sock: socket.socket, remote: tuple[str, str], limits: Limits,
                  io_timeout: float, interrupt_fd: int = -1,
@@ -64,6 +65,7 @@ class Connection:
         self.reading_head = False
         self.served = 0  # requests answered on this connection
         self.owner: Any = None  # the greenlet or thread serving it (gevent and thread workers)
+        self.waiting = False  # inside _wait: the thread worker's stop pipe reaches it there
         self.cutoff: float | None = None  # a stopping worker's limit on this wait (Abandoned)
         self.should_close = _never
 
@@ -76,6 +78,13 @@ class Connection:
             if self.interrupt_fd >= 0:
                 poller.register(self.interrupt_fd, select.POLLIN)
         poller.modify(self.fd, flag)
+        self.waiting = True
+        try:
+            self._wait_loop(poller, deadline)
+        finally:
+            self.waiting = False
+
+    def _wait_loop(self, poller: select.poll, deadline: float) -> None:
         while True:
             now = time.monotonic()
             if self.cutoff is not None and now >= self.cutoff:
@@ -89,6 +98,15 @@ class Connection:
                     return
                 if self.interrupted is not None and self.interrupted(self):
                     raise Abandoned()
+
+    def interrupt_on(self, fd: int) -> None:
+        """Watch ``fd`` instead of the current interrupt fd (which stays readable once it
+        fired: a wait must not spin on it)."""
+        if self._poll is not None:
+            if self.interrupt_fd >= 0:
+                self._poll.unregister(self.interrupt_fd)
+            self._poll.register(fd, select.POLLIN)
+        self.interrupt_fd = fd
 
     def readable_now(self) -> bool:
         """Has the client sent something we have not read (a zero-timeout poll)?"""
@@ -280,7 +298,7 @@ class Connection:
             except BlockingIOError:
                 try:
                     self._wait(select.POLLIN, deadline)
-                except Timeout:
+                except (Timeout, Abandoned):
                     return
                 continue
             if not data:

@@ -319,9 +319,11 @@ class SyncWorker(Worker):
             status = exchange.status_code or 499
         except HTTPError as exc:  # from wsgi.input: a body over --limit-request-body
             status = self._fail(conn, exchange, exc.status, exc.reason, None)
-        except RequestCancelled as exc:
-            self.log.warning("Request cancelled", reason=exc.reason, method=request.method,
-                             target=environ["RAW_URI"], worker=self.worker_id)
+        except (RequestCancelled, Abandoned) as exc:
+            # Abandoned: the thread worker's wait on a request body, ended by the cancel.
+            self.log.warning("Request cancelled", reason=str(exc) or "cancelled",
+                             method=request.method, target=environ["RAW_URI"],
+                             worker=self.worker_id)
             status = self._fail(conn, exchange, 503, "Service Unavailable", None)
         except Exception as exc:
             status = self._fail(conn, exchange, 500, "Internal Server Error", exc)

@@ -27,8 +27,19 @@ import pytest
 from tests.harness import (Gate, Server, closed_without_response, get, open_fds, read_response,
                            refused, send_get, wait_for)
 
-WORKER_CLASSES = ["sync", "gevent"]
+WORKER_CLASSES = ["sync", "thread", "gevent"]
 by_worker_class = pytest.mark.parametrize("worker_class", WORKER_CLASSES)
+
+BLOCKED_IN_C = ("the thread worker cannot interrupt a thread blocked in a C call (here a poll on "
+                "a FIFO, or time.sleep): an asynchronous exception waits for the call to return, "
+                "so the request is killed after the cancel grace instead (see the README)")
+
+
+def blocked_in_c(request: Any, worker_class: str) -> None:
+    """Cases whose request blocks in C when the drain deadline comes: the thread worker's
+    documented limit. Still run, and expected to fail (strict: a pass is reported)."""
+    if worker_class == "thread":
+        request.applymarker(pytest.mark.xfail(reason=BLOCKED_IN_C, strict=True))
 
 DRAINING = "Draining in-flight connections"
 DEADLINE = "Drain timeout reached, cancelling in-flight requests"
@@ -291,7 +302,7 @@ def test_idle_keepalive_closed_at_drain_start(scenario: Any, gates: Any, worker_
     with busy:
         response = read_response(busy)
         assert response.status == 200 and response.body == b"x" * 10
-        assert response.headers.get("connection") == "close"
+        assert response.headers.get("connection") == "close", s.server.log_text()
         assert closed_within(busy, 5)
     s.wait_exit(10)
     assert_drained(s)
@@ -359,10 +370,11 @@ def test_request_head_still_arriving_at_the_deadline_is_cancelled_not_killed(
 
 @by_worker_class
 def test_client_queued_at_term_is_not_reset_at_the_deadline(scenario: Any, gates: Any,
-                                                            worker_class: str) -> None:
+                                                            worker_class: str, request: Any) -> None:
     """Issue 3, step 2: connections already in the accept queue are accepted and served, none
     is reset. When the only worker is busy until the deadline, a client queued before TERM
     must still get an answer (a 503 is fine), not a reset."""
+    blocked_in_c(request, worker_class)
     s = scenario(worker_class, "--drain-timeout", "1", "--cancel-grace", "2", workers=1)
     gate = gates()
     busy = s.held(gate)
@@ -427,7 +439,10 @@ def _start_cancellable(s: Scenario, gates: Any, how: str) -> socket.socket:
 @by_worker_class
 @pytest.mark.parametrize("how", ["fifo", "sleep", "read"])
 def test_request_outliving_drain_timeout_is_cancelled(scenario: Any, gates: Any,
-                                                      worker_class: str, how: str) -> None:
+                                                      worker_class: str, how: str,
+                                                      request: Any) -> None:
+    if how != "read":  # a body read waits in forkserve's own poll, which the cancel reaches
+        blocked_in_c(request, worker_class)
     drain, grace = 1.0, 2.0
     s = scenario(worker_class, "--drain-timeout", str(drain), "--cancel-grace", str(grace),
                  workers=1)
@@ -458,9 +473,11 @@ def test_request_outliving_drain_timeout_is_cancelled(scenario: Any, gates: Any,
 
 @by_worker_class
 def test_cancelled_streaming_response_is_cut_short_not_completed(scenario: Any, gates: Any,
-                                                                 worker_class: str) -> None:
+                                                                 worker_class: str,
+                                                                 request: Any) -> None:
     """A response already started when the deadline comes cannot become a 503: the client must
     see it cut short (no terminating chunk), never a body that looks complete."""
+    blocked_in_c(request, worker_class)
     s = scenario(worker_class, "--drain-timeout", "1", "--cancel-grace", "2", workers=1)
     gate = gates()
     with send_get(s.port, s.target("/stream", fifo=gate.path)) as sock:

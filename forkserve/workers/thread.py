@@ -1,0 +1,303 @@
+"""The thread worker: a fixed pool of ``--threads`` request threads per worker process.
+
+Owns: the poll loop (main thread) and the hand-off of ready connections to the pool. Only the
+main thread changes a connection's place: it accepts, it watches idle keep-alive connections
+(they wait in the poller, never in a thread), and it hands a connection whose client has sent
+something to a pool thread, which serves the requests that are there and hands it back (or
+closes it). So N threads serve N requests at once while any number of idle keep-alive clients
+cost nothing but a poll entry.
+
+Cancellation at the drain deadline raises ``RequestCancelled`` asynchronously in each request's
+thread (``PyThreadState_SetAsyncExc``). Honestly: an asynchronous exception is only seen when
+the thread runs Python bytecode, so a thread blocked in a C call — ``time.sleep``, a blocking
+socket or file read, a database driver's wait — is not interrupted until that call returns;
+the cancel grace and the kill after it bound the exit. Use the gevent worker when requests
+must be interruptible in their waits.
+
+# -- runs in pool threads ------------------------------------------------------------------------
+``_run`` and what it calls run in pool threads; they share with the main thread only the two
+queues (work in, connections back) and the counters (plain int updates, which CPython performs
+without a thread switch in between).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import select
+import threading
+import time
+from typing import Any
+
+from forkserve.context import RequestCancelled
+from forkserve.http import HTTPError
+from forkserve.sockets import Listener
+from forkserve.workers.base import WorkerState
+from forkserve.workers.connection import Abandoned, Connection, Timeout
+from forkserve.workers.sync import NEW_CONNECTION_GRACE, SyncWorker
+from forkserve.wsgi import ClientGone
+
+POLLIN = select.POLLIN
+RUNNING = WorkerState.RUNNING
+
+
+class ThreadWorker(SyncWorker):
+    multithread = True
+
+    def open_connection(self, sock: Any, remote: tuple[str, str]) -> Connection:
+        # Waits in pool threads also watch the stop pipe, written once when the worker stops.
+        conn = Connection(sock, remote, self.settings.limits, self.settings.header_timeout,
+                          self.stop_r, self._thread_interrupted)
+        conn.should_close = self._should_close
+        return conn
+
+    def _thread_interrupted(self, conn: Connection) -> bool:
+        """-- runs in a pool thread: the stop pipe fired while this connection waited."""
+        state = self.state
+        if state is WorkerState.CANCELLED and conn.exchange is not None:
+            # A request reading its body: cancelled like one in the app.
+            raise RequestCancelled("cancelled: the drain timeout passed")
+        if state is WorkerState.CANCELLED or state is WorkerState.HALTING:
+            return True
+        if state is not RUNNING and conn.reading_head and not conn.received and conn.served:
+            return True
+        if state is not RUNNING and conn.reading_head and not conn.received:
+            if conn.cutoff is None:
+                conn.cutoff = time.monotonic() + NEW_CONNECTION_GRACE
+        conn.interrupt_on(self.cancel_r)  # the stop pipe stays readable; the cancel is next
+        return False
+
+    def _signal_stop(self) -> None:
+        """Wake every pool thread waiting on a client (the pipe is never drained)."""
+        if not self.stop_signalled:
+            self.stop_signalled = True
+            os.write(self.stop_w, b"\0")
+
+    def _should_close(self) -> bool:
+        return self.state is not RUNNING or self.settings.keepalive <= 0
+
+    def serve(self) -> None:
+        self.setup_http()
+        threads = self.settings.threads
+        # Idle keep-alive connections cost a poll entry, not a thread: hold up to 1000 (or
+        # --max-connections); beyond that, clients wait in the listen backlog.
+        self.limit = self.settings.max_connections or 1000
+        self.work: queue.SimpleQueue[tuple[Connection, Listener] | None] = queue.SimpleQueue()
+        self.back: queue.SimpleQueue[tuple[Connection, Listener]] = queue.SimpleQueue()
+        self.back_r, self.back_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.stop_r, self.stop_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.cancel_r, self.cancel_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.stop_signalled = False
+        self.pool_threads = [threading.Thread(target=self._run, name=f"forkserve-request-{i}",
+                                              daemon=True) for i in range(threads)]
+        for thread in self.pool_threads:
+            thread.start()
+        self.idle: dict[int, tuple[Connection, Listener, float]] = {}  # fd -> conn, deadline
+        self.poller = select.poll()
+        self.listener_fds = {listener.fd: listener for listener in self.listeners}
+        for fd in (self.wakeup_r, self.alive_fd, self.back_r):
+            self.poller.register(fd, POLLIN)
+        self.listening = False
+        try:
+            self._loop_threads()
+        finally:
+            for listener in self.listeners:
+                listener.sock.close()
+            for _ in self.pool_threads:
+                self.work.put(None)
+            for thread in self.pool_threads:
+                thread.join(self.settings.cancel_grace)
+
+    # -- the main thread -------------------------------------------------------------------
+    def _listen(self, on: bool) -> None:
+        if on == self.listening:
+            return
+        self.listening = on
+        for fd, listener in self.listener_fds.items():
+            if listener.sock.fileno() < 0:
+                continue
+            if on:
+                self.poller.register(fd, POLLIN)
+            else:
+                self.poller.unregister(fd)
+
+    def _loop_threads(self) -> None:
+        while True:
+            state = self.state
+            if state is RUNNING and not self.pause_requested:
+                self._listen(self.counters.active_connections < self.limit)
+            else:
+                self._stop_listening(state)
+            if state is not RUNNING:
+                self._signal_stop()
+            if state is not RUNNING and not self.idle and self.counters.active_connections == 0:
+                return
+            if state is WorkerState.HALTING:
+                return
+            self._idle()
+            now = time.monotonic()
+            timeout = self.heartbeat_interval
+            if self.idle:
+                timeout = min(timeout, max(min(d for _, _, d in self.idle.values()) - now, 0))
+            for fd, _ in self.poller.poll(timeout * 1000.0 + 1):
+                if fd == self.wakeup_r:
+                    self.handle_wakeups()
+                elif fd == self.alive_fd:
+                    self.arbiter_gone()
+                    self.poller.unregister(fd)
+                elif fd == self.back_r:
+                    self._take_back()
+                elif fd in self.idle:
+                    conn, listener, _ = self.idle.pop(fd)
+                    self.poller.unregister(fd)
+                    self.work.put((conn, listener))
+                elif fd in self.listener_fds:
+                    self._accept_into_pool(self.listener_fds[fd])
+            self._expire_idle(time.monotonic())
+
+    def _accept_into_pool(self, listener: Listener) -> None:
+        while self.counters.active_connections < self.limit:
+            try:
+                sock, addr = listener.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self.log.warning("accept() failed", error=exc.strerror, worker=self.worker_id)
+                return
+            remote = (addr[0], str(addr[1])) if isinstance(addr, tuple) else ("127.0.0.1", "0")
+            conn = self.open_connection(sock, remote)
+            self.counters.active_connections += 1
+            self.connections.add(conn)
+            self.work.put((conn, listener))
+
+    def _stop_listening(self, state: WorkerState) -> None:
+        """Stopping or pausing: clients already queued are served (or, past the deadline,
+        turned away with a 503), then our listeners close; idle keep-alive ones close."""
+        if any(l.sock.fileno() >= 0 for l in self.listeners):
+            self._listen(False)
+            for listener in self.listeners:
+                if listener.sock.fileno() < 0:
+                    continue
+                if state is WorkerState.CANCELLED:
+                    self._turn_away_queue()
+                elif state is not WorkerState.HALTING and not self.retire_reason:
+                    self.limit = 1 << 30  # the queue is served whatever the limit
+                    self._accept_into_pool(listener)
+                listener.sock.close()
+            self.pause_requested = False
+            self.listener_fds = {}
+        if state is not RUNNING:
+            for fd in list(self.idle):
+                conn, listener, _ = self.idle.pop(fd)
+                self.poller.unregister(fd)
+                if conn.readable_now():
+                    self.work.put((conn, listener))  # its next request is here: answer it
+                else:
+                    self._release(conn)
+
+    def _take_back(self) -> None:
+        try:
+            while os.read(self.back_r, 4096):
+                continue
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                conn, listener = self.back.get_nowait()
+            except queue.Empty:
+                return
+            if self.state is not RUNNING:
+                self._release(conn)
+                continue
+            self.idle[conn.fd] = (conn, listener, time.monotonic() + self.settings.keepalive)
+            self.poller.register(conn.fd, POLLIN)
+
+    def _expire_idle(self, now: float) -> None:
+        for fd, (conn, _, deadline) in list(self.idle.items()):
+            if now >= deadline:
+                del self.idle[fd]
+                self.poller.unregister(fd)
+                self._release(conn)
+
+    def _release(self, conn: Connection, linger: bool = False) -> None:
+        conn.close(linger)
+        self.connections.discard(conn)
+        if not conn.released:  # finish_request() already counted it out
+            self.counters.active_connections -= 1
+        self.report()
+
+    # -- pool threads ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self.work.get()
+            if item is None:
+                return
+            conn, listener = item
+            conn.owner = threading.get_ident()
+            try:
+                keep = self._serve_ready(conn, listener)
+            except (RequestCancelled, Abandoned, ClientGone):
+                keep = False
+            except Exception as exc:  # never lose a pool thread to one connection
+                self.log.exception("Connection failed", exc, worker=self.worker_id)
+                keep = False
+            conn.owner = None
+            if keep:
+                self.back.put((conn, listener))
+                try:
+                    os.write(self.back_w, b"\0")
+                except BlockingIOError:
+                    pass  # the loop has wake-ups pending already
+            else:
+                # Linger only where the client may still be sending (a refused request,
+                # unread pipelined bytes): closing then would reset it.
+                self._release(conn, linger=conn.received and bool(conn.events))
+
+    def _serve_ready(self, conn: Connection, listener: Listener) -> bool:
+        """Serve what the client sent; True to hand the connection back as idle."""
+        base = self.environs[listener.fd]
+        header_timeout = self.settings.header_timeout
+        while True:
+            try:
+                request = conn.read_head(time.monotonic() + header_timeout)
+            except HTTPError as exc:
+                self._refuse(conn, exc.status, exc.reason)
+                return False
+            except Timeout:
+                if conn.received:
+                    self._refuse(conn, 408, "Request Timeout")
+                return False
+            except Abandoned:
+                if conn.received:
+                    self._refuse(conn, 503, "Service Unavailable")
+                elif self.state is WorkerState.STOPPING and conn.readable_now():
+                    continue  # its request arrived just now: answer it
+                return False
+            if request is None:
+                return False
+            keep = self._serve(conn, request, base)
+            conn.served += 1
+            if not keep or self.state is not RUNNING:
+                return False
+            if not conn.events:
+                return True
+
+    # -- cancellation ------------------------------------------------------------------------
+    def _on_cancel(self, signum: int, frame: Any) -> None:
+        """USR2 (the drain deadline): RequestCancelled in every thread serving a request; a
+        thread waiting on its client is woken by the stop pipe (one atomic write)."""
+        if self.state is not WorkerState.HALTING:
+            self.state = WorkerState.CANCELLED
+        self._signal_stop()
+        os.write(self.cancel_w, b"\0")  # waits that already took the stop watch this one
+        for conn in list(self.connections):
+            ident = conn.owner
+            # A thread waiting on its client (conn.waiting) is ended by the stop pipe; one in
+            # the application gets the exception (a second one would cut its 503 short).
+            if ident is not None and conn.exchange is not None and not conn.waiting:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident),
+                                                           ctypes.py_object(RequestCancelled))
+
+
+__all__ = ["ThreadWorker"]

@@ -1,0 +1,62 @@
+"""The thread worker: N request threads, idle keep-alive connections in the poller."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from tests.harness import get, read_response, send_get
+
+
+def test_eight_slow_requests_and_a_fast_one(server_factory, gates):
+    """Issue 5: 8 slow requests are served at once (all inside the app together) while a fast
+    request on another connection is answered within 100 ms. One worker with 9 threads: 8
+    for the slow ones, one left for the fast one (a pool of exactly 8 would make it wait)."""
+    server = server_factory("-k", "thread", "--threads", "9", workers=1).wait_ready()
+    held = [gates(f"g{i}") for i in range(8)]
+    socks = [send_get(server.port, gate.route) for gate in held]
+    try:
+        for gate in held:
+            gate.wait_entered()  # all eight are inside the app at the same time
+        started = time.monotonic()
+        fast = get(server.port, "/")
+        assert fast.status == 200 and fast.body == b"hello\n"
+        assert time.monotonic() - started < 0.1
+    finally:
+        for gate in held:
+            gate.release()
+    for sock in socks:
+        with sock:
+            assert read_response(sock).body == b"released"
+
+
+def test_idle_keepalive_connections_do_not_hold_threads(server_factory):
+    """100 idle keep-alive connections on a worker with 2 threads: another client is still
+    served at once (they wait in the poller, not in threads)."""
+    server = server_factory("-k", "thread", "--threads", "2", "--keepalive", "30",
+                            workers=1).wait_ready()
+    idle = []
+    try:
+        for _ in range(100):
+            sock = send_get(server.port, "/", close=False)
+            assert read_response(sock).status == 200
+            idle.append(sock)
+        started = time.monotonic()
+        assert get(server.port, "/").status == 200
+        assert time.monotonic() - started < 0.5
+        for sock in idle[:10]:  # and the idle ones are still alive
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert read_response(sock).status == 200
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_wsgi_multithread_is_true(server_factory):
+    import json
+
+    server = server_factory("-k", "thread", workers=1).wait_ready()
+    response = get(server.port, "/environ")
+    assert json.loads(response.body)["wsgi.multithread"] is True
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5):
+        pass
