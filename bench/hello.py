@@ -37,6 +37,14 @@ def start(server: str, port: int, workers: int) -> subprocess.Popen[bytes]:
     if server == "forkserve":
         argv = [sys.executable, "-m", "forkserve", "-b", f"127.0.0.1:{port}", "-w", str(workers),
                 "--log-level", "warning", "examples.hello:app"]
+    elif server == "forkserve-thread":
+        argv = [sys.executable, "-m", "forkserve", "-k", "thread", "--threads", "4", "-b",
+                f"127.0.0.1:{port}", "-w", str(workers), "--log-level", "warning",
+                "examples.hello:app"]
+    elif server == "gunicorn-thread":
+        argv = [sys.executable, "-m", "gunicorn", "-k", "gthread", "--threads", "4", "-b",
+                f"127.0.0.1:{port}", "-w", str(workers), "--log-level", "warning",
+                "examples.hello:app"]
     elif server == "forkserve-gevent":
         argv = [sys.executable, "-m", "forkserve", "-k", "gevent", "-b", f"127.0.0.1:{port}",
                 "-w", str(workers), "--log-level", "warning", "examples.hello:app"]
@@ -77,7 +85,8 @@ def wrk(port: int, connections: int, seconds: int) -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--server", default="forkserve",
-                        choices=["forkserve", "forkserve-gevent", "gunicorn", "gunicorn-gevent"])
+                        choices=["forkserve", "forkserve-thread", "forkserve-gevent", "gunicorn",
+                                 "gunicorn-thread", "gunicorn-gevent"])
     parser.add_argument("-w", "--workers", type=int, default=2)
     parser.add_argument("-c", "--connections", type=int, action="append")
     parser.add_argument("-d", "--duration", type=int, default=10)
