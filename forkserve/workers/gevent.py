@@ -116,16 +116,10 @@ class GeventWorker(SyncWorker):
 
     def _accept_ready(self, listener: Listener) -> None:
         while True:
-            if listener.sock.fileno() < 0:
+            accepted = self.accept_from(listener)
+            if accepted is None:
                 return
-            try:
-                sock, addr = listener.sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                self.log.warning("accept() failed", error=exc.strerror, worker=self.worker_id)
-                return
-            self.conn_pool.spawn(self._serve_connection, sock, addr, listener)
+            self.conn_pool.spawn(self._serve_connection, *accepted, listener)
             if self.conn_pool.full() and self.state is RUNNING:
                 return  # --worker-connections reached: the rest wait in the backlog
 

@@ -151,18 +151,23 @@ class SyncWorker(Worker):
 
     def _accept(self) -> tuple[socket.socket, Any, Listener] | None:
         for listener in self.listeners:
-            if listener.sock.fileno() < 0:
-                continue  # closed at the stop signal (see Worker._on_graceful)
-            try:
-                sock, addr = listener.sock.accept()
-            except (BlockingIOError, InterruptedError):
-                continue
-            except OSError as exc:
-                # ECONNABORTED, EMFILE...: log and go on; the listener stays usable.
-                self.log.warning("accept() failed", error=exc.strerror, worker=self.worker_id)
-                continue
-            return sock, addr, listener
+            accepted = self.accept_from(listener)
+            if accepted is not None:
+                return accepted[0], accepted[1], listener
         return None
+
+    def accept_from(self, listener: Listener) -> tuple[socket.socket, Any] | None:
+        """One waiting client of this listener, or None (none waiting, or it is closed)."""
+        if listener.sock.fileno() < 0:
+            return None  # closed at the stop signal (see Worker._on_graceful)
+        try:
+            return listener.sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as exc:
+            # ECONNABORTED, EMFILE...: log and go on; the listener stays usable.
+            self.log.warning("accept() failed", error=exc.strerror, worker=self.worker_id)
+            return None
 
     def _interrupted(self, conn: Connection) -> bool:
         """A signal arrived while a connection waits on its client: give up the wait?"""
@@ -187,11 +192,7 @@ class SyncWorker(Worker):
     # -- one connection --------------------------------------------------------------------
     def _handle(self, sock: socket.socket, addr: Any, listener: Listener) -> None:
         settings = self.settings
-        if isinstance(addr, tuple):
-            remote = (addr[0], str(addr[1]))
-        else:
-            remote = ("127.0.0.1", "0")  # unix socket peers have no address
-        conn = self.open_connection(sock, remote)
+        conn = self.open_connection(sock, remote_of(addr))
         base = self.environs[listener.fd]
         counters = self.counters
         counters.active_connections += 1
@@ -406,3 +407,10 @@ class SyncWorker(Worker):
             return status
         exchange.close = True
         return status
+
+
+def remote_of(addr: Any) -> tuple[str, str]:
+    """REMOTE_ADDR and REMOTE_PORT of an accepted peer (unix socket peers have none)."""
+    if isinstance(addr, tuple):
+        return addr[0], str(addr[1])
+    return "127.0.0.1", "0"

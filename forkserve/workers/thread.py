@@ -35,7 +35,7 @@ from forkserve.http import HTTPError
 from forkserve.sockets import Listener
 from forkserve.workers.base import WorkerState
 from forkserve.workers.connection import Abandoned, Connection, Timeout
-from forkserve.workers.sync import NEW_CONNECTION_GRACE, SyncWorker
+from forkserve.workers.sync import NEW_CONNECTION_GRACE, SyncWorker, remote_of
 from forkserve.wsgi import ClientGone
 
 POLLIN = select.POLLIN
@@ -158,15 +158,11 @@ class ThreadWorker(SyncWorker):
 
     def _accept_into_pool(self, listener: Listener) -> None:
         while self.counters.active_connections < self.limit:
-            try:
-                sock, addr = listener.sock.accept()
-            except (BlockingIOError, InterruptedError):
+            accepted = self.accept_from(listener)
+            if accepted is None:
                 return
-            except OSError as exc:
-                self.log.warning("accept() failed", error=exc.strerror, worker=self.worker_id)
-                return
-            remote = (addr[0], str(addr[1])) if isinstance(addr, tuple) else ("127.0.0.1", "0")
-            conn = self.open_connection(sock, remote)
+            sock, addr = accepted
+            conn = self.open_connection(sock, remote_of(addr))
             self.counters.active_connections += 1
             self.connections.add(conn)
             self.work.put((conn, listener))
