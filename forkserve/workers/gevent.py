@@ -51,7 +51,11 @@ class GeventWorker(SyncWorker):
         import gevent
 
         self._gevent = gevent
-        for signum, handler in ((signal.SIGTERM, self._g_term), (signal.SIGQUIT, self._g_quit),
+        # TERM through Python's own handler: it runs at the next bytecode of whichever
+        # greenlet runs (or at the hub's next iteration), so a request woken in the same
+        # moment as the stop already sees the state (and answers with Connection: close).
+        signal.signal(signal.SIGTERM, self._on_term)
+        for signum, handler in ((signal.SIGQUIT, self._g_quit),
                                 (signal.SIGUSR2, self._g_cancel), (signal.SIGABRT, self._g_abort),
                                 (signal.SIGUSR1, self._g_reopen), (signal.SIGTTOU, self._g_pause),
                                 (signal.SIGWINCH, self.counters.snapshot)):
@@ -216,8 +220,11 @@ class GeventWorker(SyncWorker):
             if self.spans is not None:
                 self.spans.flush()
 
-    def _g_term(self) -> None:
-        self._stop_gracefully()
+    def _on_term(self, signum: int, frame: Any) -> None:
+        # -- runs in a signal handler: record the state, let a greenlet do the rest.
+        if self.state is RUNNING or self.state is WorkerState.BOOTING:
+            self.state = WorkerState.STOPPING
+        self._gevent.spawn(self._stop_gracefully)
 
     def _g_cancel(self) -> None:
         if self.state is not WorkerState.HALTING:

@@ -75,7 +75,13 @@ class ThreadWorker(SyncWorker):
             os.write(self.stop_w, b"\0")
 
     def _should_close(self) -> bool:
-        return self.state is not RUNNING or self.settings.keepalive <= 0
+        """-- runs in a pool thread. A stop signal may have been taken by this very thread's C
+        handler while the main thread, which runs the Python handler, is not yet scheduled:
+        a byte waiting in the wakeup pipe counts as a possible stop (at worst, one needless
+        Connection: close), so a response in progress at the drain never misses it."""
+        if self.state is not RUNNING or self.settings.keepalive <= 0:
+            return True
+        return bool(self.signal_poll.poll(0))
 
     def serve(self) -> None:
         self.setup_http()
@@ -89,6 +95,8 @@ class ThreadWorker(SyncWorker):
         self.stop_r, self.stop_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.cancel_r, self.cancel_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.stop_signalled = False
+        self.signal_poll = select.poll()
+        self.signal_poll.register(self.wakeup_r, POLLIN)
         self.pool_threads = [threading.Thread(target=self._run, name=f"forkserve-request-{i}",
                                               daemon=True) for i in range(threads)]
         for thread in self.pool_threads:
