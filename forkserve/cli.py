@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any, Sequence
 
+from setproctitle import setproctitle
+
 from forkserve import __version__
 from forkserve.config import ConfigError, parse_args, resolve, unknown_env
 from forkserve.counters import ExitCode
@@ -105,11 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         log.error(f"cannot write pidfile {config.pidfile}: {exc.strerror}")
         return ExitCode.ERROR
-    try:
-        from setproctitle import setproctitle
-        setproctitle(f"forkserve: arbiter [{config.app}]")
-    except ImportError:
-        pass  # titles are a convenience; setproctitle is a declared dependency anyway
+    setproctitle(f"forkserve: arbiter [{config.app}]")
     try:
         arbiter = Arbiter(config, cli, listeners, log, app, inherited=handover, argv=args,
                           cwd=start_cwd, notifier=Notifier(os.environ))

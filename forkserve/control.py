@@ -111,7 +111,7 @@ class ControlServer:
             else:
                 client.sendall(payload)
         except OSError:
-            pass  # the client left; nothing to tell it
+            client.close()  # the client left; nothing to tell it (drop closes it too)
         self.drop(fd)
         return True
 

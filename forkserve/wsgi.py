@@ -245,7 +245,7 @@ class Exchange:
 
     __slots__ = ("transport", "request", "dates", "status", "status_code", "headers",
                  "headers_sent", "content_length", "chunked", "no_body", "close", "sent",
-                 "bytes_sent", "framing_broken", "finished", "event_stream")
+                 "framing_broken", "finished", "event_stream")
 
     def __init__(self, transport: Transport, request: Request, dates: DateCache) -> None:
         self.transport = transport
@@ -260,7 +260,6 @@ class Exchange:
         self.no_body = False
         self.close = not request.keep_alive
         self.sent = 0  # body bytes of this response written so far
-        self.bytes_sent = 0  # as the access log counts them (body bytes)
         self.framing_broken = False
         self.finished = False  # the response is complete (the end, or finish_request)
         self.event_stream = False  # text/event-stream: ends at an event boundary on a drain

@@ -20,6 +20,8 @@ import struct
 import time
 from typing import Any, Callable
 
+from setproctitle import setproctitle
+
 from forkserve import signals as sigs
 from forkserve.background import BackgroundPool
 from forkserve.context import RequestCancelled, RequestContext
@@ -363,6 +365,15 @@ class Worker:
             self.spans = None
 
 
+def drain_pipe(fd: int) -> None:
+    """Read a non-blocking wake-up pipe empty."""
+    try:
+        while os.read(fd, 4096):
+            continue
+    except BlockingIOError:
+        return
+
+
 def accept_queue_empty(listener: Listener) -> bool:
     """For a TCP listener, TCP_INFO's ``tcpi_unacked`` is the accept queue's length (Linux).
     Unknown (a unix socket) counts as not empty: then the loop drains it after the request."""
@@ -376,8 +387,4 @@ def accept_queue_empty(listener: Listener) -> bool:
 
 
 def _set_title(title: str) -> None:
-    try:
-        from setproctitle import setproctitle
-    except ImportError:
-        return  # titles are a convenience; the server works without them
-    setproctitle(title)
+    setproctitle(title)  # a declared dependency

@@ -27,7 +27,7 @@ from typing import Any
 from forkserve.context import RequestCancelled
 from forkserve.http.response import simple_response
 from forkserve.sockets import Listener
-from forkserve.workers.base import HardStop, WorkerState
+from forkserve.workers.base import HardStop, WorkerState, drain_pipe
 from forkserve.workers.connection import Abandoned, Connection
 from forkserve.workers.sync import NEW_CONNECTION_GRACE, SyncWorker
 from forkserve.wsgi import ClientGone
@@ -262,12 +262,7 @@ class GeventWorker(SyncWorker):
     def handle_wakeups(self) -> None:
         """The wakeup pipe also carries the background pool's wake-ups; the signals themselves
         are gevent's to handle, so here the pipe is only drained."""
-        while True:
-            try:
-                if not os.read(self.wakeup_r, 4096):
-                    return
-            except BlockingIOError:
-                return
+        drain_pipe(self.wakeup_r)
 
 
 __all__ = ["GeventWorker"]

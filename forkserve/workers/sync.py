@@ -130,7 +130,7 @@ class SyncWorker(Worker):
             try:
                 conn.send(simple_response(503, "Service Unavailable", self.dates))
             except ClientGone:
-                pass  # it left already; nothing else to do for it
+                self.log.debug("A queued client left before its 503")
             conn.close(linger=True)
 
     def _idle(self) -> None:
@@ -372,9 +372,7 @@ class SyncWorker(Worker):
             kind = type(result)
             if (kind is list or kind is tuple) and len(result) == 1 and type(result[0]) is bytes:
                 exchange.send_whole(result[0])  # the hello-world path: one send in all
-            elif kind is FileWrapper and exchange.send_file(result):
-                pass
-            else:
+            elif not (kind is FileWrapper and exchange.send_file(result)):
                 write = exchange.write
                 for data in result:
                     write(data)

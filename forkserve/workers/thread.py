@@ -33,7 +33,7 @@ from typing import Any
 from forkserve.context import RequestCancelled
 from forkserve.http import HTTPError
 from forkserve.sockets import Listener
-from forkserve.workers.base import WorkerState
+from forkserve.workers.base import WorkerState, drain_pipe
 from forkserve.workers.connection import Abandoned, Connection, Timeout
 from forkserve.workers.sync import NEW_CONNECTION_GRACE, SyncWorker, remote_of
 from forkserve.wsgi import ClientGone
@@ -201,11 +201,7 @@ class ThreadWorker(SyncWorker):
                     self._release(conn)
 
     def _take_back(self) -> None:
-        try:
-            while os.read(self.back_r, 4096):
-                continue
-        except BlockingIOError:
-            pass
+        drain_pipe(self.back_r)
         while True:
             try:
                 conn, listener = self.back.get_nowait()
@@ -252,7 +248,7 @@ class ThreadWorker(SyncWorker):
                 try:
                     os.write(self.back_w, b"\0")
                 except BlockingIOError:
-                    pass  # the loop has wake-ups pending already
+                    continue  # the pipe is full: the loop has wake-ups pending already
             else:
                 # Linger only where the client may still be sending (a refused request,
                 # unread pipelined bytes): closing then would reset it.
