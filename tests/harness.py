@@ -259,8 +259,8 @@ class Response:
         self.body = body
 
 
-def read_response(sock: socket.socket, timeout: float = 10.0) -> Response:
-    """Read one response framed by Content-Length (the test apps always send one)."""
+def read_head(sock: socket.socket, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+    """One response head: status, lower-cased headers, and the bytes read past the head."""
     sock.settimeout(timeout)
     data = b""
     while b"\r\n\r\n" not in data:
@@ -268,13 +268,18 @@ def read_response(sock: socket.socket, timeout: float = 10.0) -> Response:
         if not chunk:
             raise ConnectionError(f"connection closed before a full response head: {data!r}")
         data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
+    head, _, rest = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
     headers = {}
     for line in lines[1:]:
         name, _, value = line.partition(":")
         headers[name.strip().lower()] = value.strip()
+    return int(lines[0].split()[1]), headers, rest
+
+
+def read_response(sock: socket.socket, timeout: float = 10.0) -> Response:
+    """Read one response framed by Content-Length (the test apps always send one)."""
+    status, headers, body = read_head(sock, timeout)
     length = int(headers.get("content-length", "0"))
     while len(body) < length:
         chunk = sock.recv(65536)

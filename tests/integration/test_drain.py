@@ -24,7 +24,8 @@ from urllib.parse import urlencode
 
 import pytest
 
-from tests.harness import (Gate, Server, closed_without_response, get, open_fds, read_response,
+from tests.harness import (Gate, Server, closed_without_response, get, open_fds, read_head,
+                           read_response,
                            refused, send_get, wait_for)
 
 WORKER_CLASSES = ["sync", "thread", "gevent"]
@@ -89,18 +90,7 @@ def read_lines(path: Path) -> list[str]:
 
 def read_chunked(sock: socket.socket, timeout: float = 10.0) -> tuple[dict[str, str], bytes]:
     """One chunked response: its headers and its decoded body. Fails if it is cut short."""
-    sock.settimeout(timeout)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError(f"closed before a full response head: {data!r}")
-        data += chunk
-    head, _, rest = data.partition(b"\r\n\r\n")
-    headers = {}
-    for line in head.decode("latin-1").split("\r\n")[1:]:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
+    _, headers, rest = read_head(sock, timeout)
     assert headers.get("transfer-encoding") == "chunked", headers
     body = b""
     while True:
