@@ -21,13 +21,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from forkserve import __version__
 from forkserve import signals as sigs
 from forkserve.config import Config, ConfigError, reloadable_changes, resolve
 from forkserve.control import ControlServer
 from forkserve.counters import Decoder, ExitCode, Kind, Record
 from forkserve.lifecycle import Event, State, next_state
 from forkserve.logs import Log
+from forkserve.metrics import RELOADS_HELP, RESTARTS_HELP
 from forkserve.sockets import BindError, Listener, bind
+from forkserve.status import ArbiterCollector, Answer, StatusServer, rss_bytes
 from forkserve.workers import worker_class
 from forkserve.workers.base import WorkerSettings
 
@@ -97,6 +100,10 @@ class Arbiter:
     notifier: Any = None  # forkserve.systemd.Notifier, when systemd is listening
     next_watchdog: float | None = None  # next WATCHDOG=1, when systemd asks for them
     fresh: set[int] | None = None  # workers heard from since refresh_counters() asked
+    status_sock: Any = None  # the --status-bind listener (socket.socket), bound by the cli
+    status_server: StatusServer | None = None
+    metrics: Any = None  # forkserve.metrics.Store, when metrics are on
+    started_at: float = field(default_factory=time.time)
 
     # -- set-up ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -133,6 +140,8 @@ class Arbiter:
         if self.config.control_socket:
             self.control = ControlServer(self.config.control_socket, self.command)
             poller.register(self.control.fileno(), select.POLLIN)
+        if self.status_sock is not None:
+            self.status_server = StatusServer(self.status_sock, poller, self.answer_status)
         self.log.info("Starting forkserve", listening=",".join(l.name() for l in self.listeners),
                       workers=self.config.worker_count, worker_class=self.config.worker_class,
                       app=self.config.app)
@@ -152,6 +161,8 @@ class Arbiter:
             self.reap()
             if self.control is not None:
                 self.serve_control(ready)
+            if self.status_server is not None:
+                self.status_server.serve(ready, time.monotonic())
             self.tick(time.monotonic())
         self.shutdown()
         return self.exit_code
@@ -162,6 +173,11 @@ class Arbiter:
         if self.control is not None:
             self.control.close()
         self.log.info("Server stopped", exit_code=int(self.exit_code))
+        # Last: the status server answered through the whole drain.
+        if self.status_server is not None:
+            self.status_server.close()
+        if self.metrics is not None:
+            self.metrics.close()
 
     # -- state -----------------------------------------------------------------------------
     def transition(self, event: Event, message: str, level: str = "info", **fields: Any) -> None:
@@ -273,6 +289,7 @@ class Arbiter:
             new = resolve(self.cli_args, os.environ)
         except ConfigError as exc:
             self.log.error("Reload failed, keeping the current configuration", error=str(exc))
+            self.count_reload("failed")
             return
         fixed = list(reloadable_changes(self.config, new))
         if fixed:
@@ -317,9 +334,12 @@ class Arbiter:
         error = check.stderr.read().decode("utf-8", "replace").strip() if check.stderr else ""
         if check.stderr is not None:
             check.stderr.close()
+        if self.metrics is not None:
+            self.metrics.forget(check.pid)  # files its app import may have created
         if check.returncode != 0:
             reason = error.splitlines()[-1] if error else f"the check exited {check.returncode}"
             self.log.error(f"Upgrade aborted, still serving: {reason}")
+            self.count_reload("failed")
             return
         if self.state is not State.RUNNING:
             self.log.warning("Upgrade abandoned: the server is stopping")
@@ -335,6 +355,12 @@ class Arbiter:
             "workers": [[h.pid, h.worker_id, h.generation] for h in self.workers.values()],
             "generation": self.generation,
         }
+        if self.status_server is not None:
+            handover["status_fd"] = self.status_server.fileno()
+            os.set_inheritable(self.status_server.fileno(), True)
+        if self.metrics is not None:
+            handover["metrics_dir"] = self.metrics.path
+            handover["metrics_owned"] = self.metrics.owned
         for fd in [l.fd for l in self.listeners] + [self.counter_r, self.counter_w,
                                                      self.alive_r, self.alive_w]:
             os.set_inheritable(fd, True)
@@ -351,6 +377,9 @@ class Arbiter:
             os.execve(sys.executable, [sys.executable, "-m", "forkserve", *self.argv], env)
         except OSError as exc:
             self.log.error(f"Upgrade failed, still serving: cannot exec: {exc.strerror}")
+            self.count_reload("failed")
+            if self.status_server is not None:
+                os.set_inheritable(self.status_server.fileno(), False)
             for fd in [l.fd for l in self.listeners] + [self.counter_r, self.counter_w,
                                                          self.alive_r, self.alive_w]:
                 os.set_inheritable(fd, False)
@@ -459,21 +488,63 @@ class Arbiter:
             self.read_counters()
         self.fresh = None
 
+    def ready(self) -> bool:
+        """Readiness: serving steadily with this generation's workers booted."""
+        return (self.state is State.RUNNING and self.reload_generation is None
+                and not self.paused and self.upgrade_check is None)
+
     def status(self) -> dict[str, Any]:
-        self.refresh_counters(0.25)
+        """One snapshot of everything: the control socket's and /status's answer, and what
+        /metrics's live gauges are made of."""
+        self.refresh_counters(0.1)
         now = time.monotonic()
         return {
-            "ok": True, "state": self.state.value, "generation": self.generation,
-            "pid": os.getpid(), "paused": self.paused, **self.totals(),
+            "ok": True, "state": self.state.value, "ready": self.ready(),
+            "generation": self.generation, "pid": os.getpid(), "version": __version__,
+            "worker_class": self.config.worker_class, "started": self.started_at,
+            "uptime": round(time.time() - self.started_at, 3), "paused": self.paused,
+            **self.totals(),
             "workers": [{
                 "pid": h.pid, "worker_id": h.worker_id, "generation": h.generation,
+                "state": ("booting" if not h.booted else "stopping" if h.stopping else "running"),
                 "age": round(now - h.spawned_at, 3), "requests_served": h.requests_served,
                 "active_connections": h.active_connections,
                 "in_flight_requests": h.in_flight_requests,
                 "background_tasks": h.background_tasks, "booted": h.booted,
+                "rss_bytes": rss_bytes(h.pid),
                 "seconds_since_heartbeat": round(now - h.last_seen, 3),
             } for h in sorted(self.workers.values(), key=lambda h: (h.generation, h.worker_id))],
         }
+
+    # -- the status server (/healthz /readyz /status /metrics) -------------------------------------
+    def answer_status(self, method: str, path: str, headers: dict[bytes, bytes]) -> Answer:
+        if path == "/healthz":
+            return _json(200, {"status": "alive", "state": self.state.value})
+        if path == "/readyz":
+            ready = self.ready()
+            return _json(200 if ready else 503, {
+                "ready": ready, "state": "paused" if self.paused else self.state.value,
+                "generation": self.generation,
+                "reloading": self.reload_generation is not None})
+        if path == "/status":
+            return _json(200, self.status())
+        if path == "/metrics":
+            if self.metrics is None:
+                return _json(404, {"error": "metrics are off"})
+            snapshot = self.status()
+            collector = ArbiterCollector(snapshot, [s.value for s in State])
+            accept = headers.get(b"accept", b"").decode("latin-1")
+            body, content_type = self.metrics.exposition(accept, collector)
+            return 200, content_type, body
+        return _json(404, {"error": f"no such page {path}; try /healthz /readyz /status /metrics"})
+
+    def count_restart(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.add("forkserve_worker_restarts", {"reason": reason}, RESTARTS_HELP)
+
+    def count_reload(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.add("forkserve_reloads", {"outcome": outcome}, RELOADS_HELP)
 
     # -- workers ---------------------------------------------------------------------------
     def spawn(self, worker_id: int, now: float) -> None:
@@ -485,13 +556,14 @@ class Arbiter:
                     worker_id, self.generation, self.settings, self.listeners, self.counter_w,
                     self.alive_r, self.log, self.app,
                     close_fds=[self.counter_r, self.alive_w, self.signals.read_fd,
-                               self.signals.write_fd, *self.control_fds()])
+                               self.signals.write_fd, *self.control_fds(),
+                               *(self.status_server.fds() if self.status_server else ())])
                 worker.run_child()
             finally:
                 os._exit(ExitCode.ERROR)
         handle.pid = pid
         self.workers[pid] = handle
-        self.log.debug("Spawned worker", worker=worker_id, pid=pid, generation=self.generation)
+        self.log.info("Spawned worker", worker=worker_id, pid=pid, generation=self.generation)
 
     def current(self) -> list[WorkerHandle]:
         return [h for h in self.workers.values() if h.generation == self.generation and not h.stopping]
@@ -610,6 +682,7 @@ class Arbiter:
                 old = [h for h in self.workers.values() if h.generation <= self.upgrading_from]
                 self.log.info("Upgrade complete: stopping the old workers", old_workers=len(old),
                               generation=self.generation)
+                self.count_reload("succeeded")
                 self.upgrading_from = None
                 self.retire(old)
             self.stop_predecessors()
@@ -618,6 +691,7 @@ class Arbiter:
             old = [h for h in self.workers.values() if h.generation < self.generation]
             self.log.info("Reload complete: new workers booted, stopping the old ones",
                           generation=self.generation, old_workers=len(old))
+            self.count_reload("succeeded")
             self.retire(old)
             self.notify("ready")
 
@@ -642,17 +716,27 @@ class Arbiter:
 
     def on_exit(self, handle: WorkerHandle, status: int) -> None:
         how = describe_status(status)
+        fields = {"worker": handle.worker_id, "pid": handle.pid, "generation": handle.generation,
+                  "exit": how}
+        if self.metrics is not None:
+            self.metrics.process_gone(handle.pid)
         if not handle.booted:
             self.on_boot_failure(handle, how, status)
         elif handle.kill_reason:
-            self.log.error(f"{handle.describe()} {how} after {handle.kill_reason}")
+            self.log.error(f"{handle.describe()} {how} after {handle.kill_reason}",
+                           reason=handle.kill_reason, **fields)
+            if handle.kill_reason.startswith("a timeout"):
+                self.count_restart("timeout")
         elif handle.retiring:
-            self.log.info(f"{handle.describe()} retired: {handle.retiring}")
+            self.log.info(f"{handle.describe()} retired: {handle.retiring}", reason="max-requests",
+                          **fields)
+            self.count_restart("max_requests")
         elif handle.stopping:
-            self.log.info(f"{handle.describe()} {how}", generation=handle.generation)
+            self.log.info(f"{handle.describe()} {how}", reason="stopped", **fields)
         else:
             self.log.error(f"{handle.describe()} {how} unexpectedly; replacing it",
-                           generation=handle.generation)
+                           reason="crashed", **fields)
+            self.count_restart("crashed")
         self.check_gone()
         self.check_booted()
 
@@ -673,6 +757,7 @@ class Arbiter:
             self.generation = self.upgrading_from
             self.upgrading_from = None
             self.log.error(f"Upgrade failed after exec, the old workers keep serving: {reason}")
+            self.count_reload("failed")
             self.transition(Event.BOOTED, "Server ready", generation=self.generation)
             return
         if self.state is State.BOOTING:
@@ -693,12 +778,15 @@ class Arbiter:
                 self.config, self.settings, self.worker_cls = self.previous
             self.log.configure(self.config.log_level, self.config.log_format)
             self.log.error(f"Reload failed, the old workers keep serving: {reason}")
+            self.count_reload("failed")
             return
         # A replacement failed while the rest serve: retry, slower and slower (no fork loop).
         self.boot_failures += 1
         delay = min(0.5 * 2 ** (self.boot_failures - 1), MAX_RESPAWN_DELAY)
         self.respawn_after = time.monotonic() + delay
-        self.log.error(f"{handle.describe()} failed to boot: {reason}; retrying in {delay:g}s")
+        self.count_restart("boot_failed")
+        self.log.error(f"{handle.describe()} failed to boot: {reason}; retrying in {delay:g}s",
+                       worker=handle.worker_id, pid=handle.pid, reason=reason)
 
     def escalate_now(self, handle: WorkerHandle, now: float) -> None:
         signum = handle.escalate_signal
@@ -740,6 +828,10 @@ class Arbiter:
             deadlines.append(self.respawn_after)
         if self.next_watchdog is not None:
             deadlines.append(self.next_watchdog)
+        if self.status_server is not None:
+            client_deadline = self.status_server.next_deadline()
+            if client_deadline is not None:
+                deadlines.append(client_deadline)
         if not deadlines:
             return None
         return max(min(deadlines) - now, 0.0)
@@ -774,6 +866,10 @@ class Arbiter:
                 self.cancel()
         if self.state in (State.BOOTING, State.RUNNING):
             self.spawn_missing(now)
+
+
+def _json(status: int, body: dict[str, Any]) -> Answer:
+    return status, "application/json", json.dumps(body, default=str).encode() + b"\n"
 
 
 def describe_status(status: int) -> str:

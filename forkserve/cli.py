@@ -28,6 +28,8 @@ from forkserve.control import ControlError, take_listeners
 from forkserve.sockets import AddressInUse, BindError, Listener, adopt, bind
 from forkserve.systemd import activation_env_vars, listen_fds
 
+METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # forkserve.metrics.ENV (that module loads lazily)
+
 
 PAUSE_WAIT = 3.0  # how long a new instance waits for paused predecessors to free the port
 
@@ -42,6 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["ctl"]:
         from forkserve.control import ctl_main
         return ctl_main(args[1:])
+    if args[:1] == ["status"]:
+        from forkserve.statusview import main as status_main
+        return status_main(args[1:])
     # What an in-place upgrade handed over (our own variable: never a user's setting).
     handover_text = os.environ.pop(UPGRADE_ENV, None)
     start_cwd = os.getcwd()
@@ -82,6 +87,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"docker stop --time {int(budget + margin + 0.999)}\n")
         return ExitCode.OK
 
+    handover = json.loads(handover_text) if handover_text else None
+    store = None
+    if config.status_bind or os.environ.get(METRICS_ENV):
+        # Before anything imports prometheus_client (a preloaded app, the workers): it decides
+        # at import whether its values live in the shared directory.
+        from forkserve.metrics import Store, prepare_directory
+        try:
+            path, owned, removed = prepare_directory(handover)
+            store = Store(path, owned)
+        except OSError as exc:
+            log.error(f"cannot prepare the metrics directory: {exc}")
+            return ExitCode.ERROR
+        if removed:
+            log.info("Removed metric files of an earlier run", directory=path, files=removed)
     app = None
     if config.preload:
         try:
@@ -89,11 +108,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         except AppLoadError as exc:
             log.error(f"Application could not be loaded: {exc}")
             return ExitCode.APP_LOAD_ERROR
-    handover = json.loads(handover_text) if handover_text else None
     try:
         listeners = open_listeners(config, handover, log)
+        status_sock = open_status(config, handover, log)
     except (BindError, ControlError) as exc:
         log.error(str(exc))
+        if store is not None:
+            store.close()
         return ExitCode.ERROR
 
     from forkserve.arbiter import Arbiter
@@ -110,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setproctitle(f"forkserve: arbiter [{config.app}]")
     try:
         arbiter = Arbiter(config, cli, listeners, log, app, inherited=handover, argv=args,
-                          cwd=start_cwd, notifier=Notifier(os.environ))
+                          cwd=start_cwd, notifier=Notifier(os.environ), status_sock=status_sock,
+                          metrics=store)
         return arbiter.run()
     finally:
         if pidfile is not None:
@@ -150,6 +172,34 @@ def open_listeners(config: Config, handover: dict[str, Any] | None, log: Log) ->
         if not predecessors:
             raise
         return _bind_after_pausing(config, predecessors, exc, log)
+
+
+def open_status(config: Config, handover: dict[str, Any] | None, log: Log) -> socket.socket | None:
+    """The status server's listener: the one an in-place upgrade handed over, or bound now."""
+    inherited = handover.get("status_fd") if handover else None
+    if inherited is not None:
+        sock = socket.socket(fileno=inherited)
+        sock.set_inheritable(False)
+        host, _, port = config.status_bind.rpartition(":") if config.status_bind else ("", "", "")
+        got_host, _, got_port = _describe(sock, "").rpartition(":")
+        if config.status_bind and got_host == host and port in (got_port, "0"):
+            return sock
+        sock.close()  # --status-bind changed (or went away) with the upgrade
+    if not config.status_bind:
+        return None
+    from forkserve.status import bind_status, is_loopback
+
+    try:
+        sock = bind_status(config.status_bind)
+    except OSError as exc:
+        raise BindError(f"cannot bind the status server to {config.status_bind}: "
+                        f"{exc.strerror}") from None
+    host = config.status_bind.rpartition(":")[0]
+    if not is_loopback(host):
+        log.warning("The status server listens beyond this host: /status and /metrics show "
+                    "internals; bind it to 127.0.0.1 or firewall it", status_bind=config.status_bind)
+    log.info("Status server listening", status_bind=_describe(sock, config.status_bind))
+    return sock
 
 
 def _bind_after_pausing(config: Config, pids: list[int], first: AddressInUse,

@@ -112,6 +112,28 @@ def _bind(value: Any) -> str:
     return f"{host or '0.0.0.0'}:{number}"
 
 
+def _status_bind(value: Any) -> str | None:
+    if value is None or value == "":
+        return None
+    text = _bind(value)
+    if text.startswith(("unix:", "fd://")):
+        raise ValueError(f"the status server takes HOST:PORT, got {text!r}")
+    return text
+
+
+def _access_log_format(value: Any) -> str:
+    text = _text(value)
+    if text.strip().lower() in ("combined", "json"):
+        return text.strip().lower()
+    if "{" not in text:
+        raise ValueError(f"expected combined, json or a template with {{fields}}; got {text!r}")
+    # The field names live with the access log; checked here so a typo is a config error.
+    from forkserve.telemetry.accesslog import check_template
+
+    check_template(text)
+    return text
+
+
 def _binds(value: Any) -> list[str]:
     items = value if isinstance(value, list) else [value]
     if not items:
@@ -254,6 +276,15 @@ SETTINGS: tuple[Setting, ...] = (
             flags=("--log-format",), metavar="FORMAT"),
     Setting("access_log", _optional_text, None, "access-log file, or - for stdout (off by default)",
             flags=("--access-log",), metavar="PATH"),
+    Setting("access_log_format", _access_log_format, "combined",
+            "access-log line: combined (Apache's, plus the duration), json, or a template of "
+            "named fields such as '{remote_addr} {method} {path} {status} {duration_us}us "
+            "{request_id}' (the README lists the fields)",
+            flags=("--access-log-format",), metavar="FORMAT"),
+    Setting("status_bind", _status_bind, None,
+            "HOST:PORT of the status server (/healthz /readyz /metrics /status), served by the "
+            "arbiter; off by default; anything but loopback is public, so a warning is logged",
+            flags=("--status-bind",), metavar="HOST:PORT", reloadable=False),
     Setting("error_log", _text, "-", "error-log file, or - for stderr",
             flags=("--error-log",), metavar="PATH", reloadable=False),
 )

@@ -1,29 +1,75 @@
-"""The access log: one line per request, Apache combined format plus the duration.
+"""The access log: one line per request, as Apache's combined format (plus the duration), as
+JSON, or as a template of named fields.
 
 Lines are buffered in the worker and written in one ``write`` when the worker is about to wait
 for work (so an idle server's log is current) or when the buffer passes 64 KiB (so a busy one
 does one write per many requests). ``O_APPEND`` keeps lines from different workers whole.
 Nothing is formatted at all when the access log is off: the worker does not create a sink.
+
+USR1 reopens the file (logrotate): what is buffered goes to the old file first, then the new
+file takes every later line; a lock keeps a request thread's flush from writing to a descriptor
+being swapped, so no line is lost or written twice.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
+import string
 import sys
+import threading
 import time
 
 FLUSH_AT = 65536
+REQUEST_ID_MAX = 200  # longer incoming X-Request-ID values are replaced, not logged
+
+# The fields a template (and the JSON format) can use.
+FIELDS = {
+    "time": "request start, Apache's [day/Mon/year:H:M:S +0000] without the brackets",
+    "time_iso": "request start, ISO 8601 UTC with milliseconds",
+    "remote_addr": "the client's address",
+    "method": "request method",
+    "path": "request path, as sent (still %-encoded)",
+    "query": "query string, without the ?",
+    "target": "the whole request target (path?query)",
+    "protocol": "HTTP/1.1 or HTTP/1.0",
+    "status": "response status",
+    "bytes": "response body bytes sent",
+    "duration_us": "microseconds from the request head to the end of the response",
+    "duration": "the same in seconds",
+    "referer": "Referer header, or -",
+    "user_agent": "User-Agent header, or -",
+    "request_id": "X-Request-ID from the request, or one generated for it",
+    "pid": "the worker's process id",
+}
+
+
+def check_template(template: str) -> None:
+    """Raise ValueError naming what is wrong with an access-log template."""
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:
+        raise ValueError(f"bad access-log template {template!r}: {exc}") from None
+    unknown = sorted({n for n in names if n not in FIELDS})
+    if unknown or not names:
+        raise ValueError(f"unknown field(s) {', '.join(unknown) or '(none given)'} in access-log "
+                         f"template; fields: {', '.join(FIELDS)}")
 
 
 class AccessLog:
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, fmt: str = "combined") -> None:
         self.target = target
+        self.fmt = fmt
+        self.template = None if fmt in ("combined", "json") else fmt + "\n"
         self.fd = -1
         self._owns_fd = False
         self._lines: list[str] = []
         self._size = 0
         self._second = -1
         self._stamp = ""
+        self._lock = threading.Lock()  # flush and reopen; emitting needs none (list.append)
+        self.pid = os.getpid()
         self.open()
 
     def open(self) -> None:
@@ -43,10 +89,28 @@ class AccessLog:
 
     def request(self, remote: str, method: str, target: str, protocol: str, status: int,
                 size: int, referer: str | None, agent: str | None, started: float,
-                duration: float) -> None:
-        line = (f'{remote} - - [{self.timestamp(started)}] "{method} {_quote(target)} {protocol}" '
-                f'{status} {size if size else "-"} "{_quote(referer or "-")}" '
-                f'"{_quote(agent or "-")}" {duration:.6f}\n')
+                duration: float, request_id: str) -> None:
+        if self.fmt == "combined":
+            line = (f'{remote} - - [{self.timestamp(started)}] "{method} {_quote(target)} '
+                    f'{protocol}" {status} {size if size else "-"} "{_quote(referer or "-")}" '
+                    f'"{_quote(agent or "-")}" {duration:.6f} {_quote(request_id)}\n')
+        else:
+            path, _, query = target.partition("?")
+            fields = {
+                "time": self.timestamp(started), "time_iso": _iso(started),
+                "remote_addr": remote, "method": method, "path": path, "query": query,
+                "target": target, "protocol": protocol, "status": status, "bytes": size,
+                "duration_us": int(duration * 1e6), "duration": f"{duration:.6f}",
+                "referer": referer or "-", "user_agent": agent or "-",
+                "request_id": request_id, "pid": self.pid,
+            }
+            if self.template is None:
+                line = json.dumps(fields, ensure_ascii=False, separators=(",", ":")) + "\n"
+            else:
+                for key in ("path", "query", "target", "referer", "user_agent", "request_id",
+                            "method"):
+                    fields[key] = _quote(fields[key])
+                line = self.template.format_map(fields)
         self.emit(line)
 
     def emit(self, line: str) -> None:
@@ -58,30 +122,60 @@ class AccessLog:
     def flush(self) -> None:
         if not self._lines:
             return
+        with self._lock:
+            self._write_out()
+
+    def _write_out(self) -> None:
         # Swapped, not cleared: request threads may emit while this runs.
         lines, self._lines = self._lines, []
         self._size = 0
+        if not lines:
+            return
         data = "".join(lines).encode("utf-8", "backslashreplace")
         try:
             while data:
                 written = os.write(self.fd, data)
                 data = data[written:]
         except OSError as exc:
-            # Report once on stderr; there is no better place, and serving must go on.
+            # Report on stderr; there is no better place, and serving must go on.
             sys.stderr.write(f"forkserve: access log {self.target}: {exc.strerror}\n")
 
     def reopen(self) -> None:
-        self.flush()
-        if self._owns_fd:
-            old = self.fd
-            self.open()
-            os.close(old)
+        with self._lock:
+            self._write_out()  # what was logged before the rotation goes to the old file
+            if self._owns_fd:
+                old = self.fd
+                self.open()
+                os.close(old)
 
     def close(self) -> None:
-        self.flush()
-        if self._owns_fd:
-            os.close(self.fd)
-        self.fd = -1
+        with self._lock:
+            self._write_out()
+            if self._owns_fd:
+                os.close(self.fd)
+            self.fd = -1
+
+
+class RequestIds:
+    """X-Request-ID: the client's (or its proxy's) when it is sane, else a new one.
+
+    Generated ids are a random per-worker prefix plus a counter: unique across workers and
+    restarts without a call to the random source per request.
+    """
+
+    def __init__(self) -> None:
+        self.prefix = os.urandom(8).hex()
+        self.counter = itertools.count(1)  # next() is atomic: request threads share it
+
+    def take(self, incoming: str | None) -> str:
+        if incoming and len(incoming) <= REQUEST_ID_MAX and incoming.isprintable() \
+                and " " not in incoming and '"' not in incoming:
+            return incoming
+        return f"{self.prefix}-{next(self.counter):x}"
+
+
+def _iso(when: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)) + f".{int(when % 1 * 1000):03d}Z"
 
 
 def _quote(text: str) -> str:
@@ -90,3 +184,6 @@ def _quote(text: str) -> str:
         return text
     return "".join(c if c.isprintable() and c not in '"\\' else repr(c)[1:-1] if c != '"' else '\\"'
                    for c in text)
+
+
+__all__ = ["AccessLog", "FIELDS", "RequestIds", "check_template"]

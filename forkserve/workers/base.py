@@ -31,6 +31,7 @@ from forkserve.loader import AppLoadError, load_app
 from forkserve.logs import Log
 from forkserve.sockets import Listener
 from forkserve.telemetry import AccessLog, SpanLog
+from forkserve.telemetry.accesslog import RequestIds
 from forkserve.telemetry.spans import OpenTelemetrySink, Sinks
 
 
@@ -63,6 +64,9 @@ class WorkerSettings:
         self.max_requests: int = config.max_requests
         self.max_requests_jitter: int = config.max_requests_jitter
         self.access_log: str | None = config.access_log
+        self.access_log_format: str = config.access_log_format
+        # Set by the cli (in the environment) when metrics are on; read at spawn.
+        self.metrics_dir: str | None = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
         self.span_log: str | None = config.span_log
         self.background_threads: int = config.background_threads
         self.cancel_grace: float = config.cancel_grace
@@ -90,6 +94,8 @@ class Worker:
         self.counters = Writer(counter_fd, worker_id)
         self.state = WorkerState.BOOTING
         self.access_log: AccessLog | None = None
+        self.request_ids: RequestIds | None = None
+        self.metrics: Any = None  # forkserve.metrics.Recorder, when metrics are on
         self.spans: Sinks | None = None
         self.pool: BackgroundPool | None = None
         self.in_request = False
@@ -169,7 +175,12 @@ class Worker:
         self.counters.pid = os.getpid()
         _set_title(f"forkserve: worker {self.worker_id} [{self.settings.app_spec}]")
         if self.settings.access_log:
-            self.access_log = AccessLog(self.settings.access_log)
+            self.access_log = AccessLog(self.settings.access_log, self.settings.access_log_format)
+            self.request_ids = RequestIds()
+        if self.settings.metrics_dir:
+            from forkserve.metrics import Recorder
+
+            self.metrics = Recorder(self.settings.metrics_dir, os.getpid())
         self.pool = BackgroundPool(self.settings.background_threads, self.counters, self.log,
                                    self._pool_changed, self.spans)
 

@@ -291,15 +291,19 @@ class SyncWorker(Worker):
                                       body=f"{status} {reason}\n".encode("utf-8", "replace")))
         except ClientGone:
             return
+        if self.metrics is not None:
+            self.metrics.request("-", status, 0.0)
         if self.access_log is not None:
             now = time.time()
-            self.access_log.request(conn.remote[0], "-", "-", "-", status, 0, None, None, now, 0.0)
+            self.access_log.request(conn.remote[0], "-", "-", "-", status, 0, None, None, now, 0.0,
+                                    "-")
 
     # -- one request -------------------------------------------------------------------------
     def _serve(self, conn: Connection, request: Request, base: dict[str, Any]) -> bool:
         """Run the app for one request. True when the connection may serve another."""
         access_log = self.access_log
-        started = time.time() if access_log is not None else 0.0
+        metrics = self.metrics
+        started = time.time() if access_log is not None or metrics is not None else 0.0
         counters = self.counters
         counters.in_flight_requests += 1
         exchange = Exchange(conn, request, self.dates)
@@ -308,6 +312,11 @@ class SyncWorker(Worker):
         wsgi_input = Input(conn if request.has_body else None)
         environ = build_environ(request, base, self.keys, conn.remote, wsgi_input)
         environ["forkserve.finish_request"] = context.finish
+        if access_log is not None:
+            # The client's (or its proxy's) X-Request-ID, else a new one: the app sees the
+            # same id the access log records.
+            request_id = environ["HTTP_X_REQUEST_ID"] = self.request_ids.take(
+                environ.get("HTTP_X_REQUEST_ID"))
         status = 0
         keep = False
         token = CURRENT.set(context)
@@ -325,6 +334,8 @@ class SyncWorker(Worker):
             self.log.warning("Request cancelled", reason=str(exc) or "cancelled",
                              method=request.method, target=environ["RAW_URI"],
                              worker=self.worker_id)
+            if metrics is not None:
+                metrics.cancelled()
             status = self._fail(conn, exchange, 503, "Service Unavailable", None)
         except Exception as exc:
             status = self._fail(conn, exchange, 500, "Internal Server Error", exc)
@@ -341,11 +352,15 @@ class SyncWorker(Worker):
                            method=request.method, target=environ["RAW_URI"],
                            content_length=exchange.content_length, sent=exchange.sent)
         self.request_done()
-        if access_log is not None:
-            access_log.request(
-                conn.remote[0], request.method, environ["RAW_URI"], environ["SERVER_PROTOCOL"],
-                status, exchange.sent, environ.get("HTTP_REFERER"), environ.get("HTTP_USER_AGENT"),
-                started, time.time() - started)
+        if started:
+            duration = time.time() - started
+            if metrics is not None:
+                metrics.request(request.method, status, duration)
+            if access_log is not None:
+                access_log.request(
+                    conn.remote[0], request.method, environ["RAW_URI"],
+                    environ["SERVER_PROTOCOL"], status, exchange.sent, environ.get("HTTP_REFERER"),
+                    environ.get("HTTP_USER_AGENT"), started, duration, request_id)
         if self.spans is not None:
             self.spans.flush_if_due()
         now = time.monotonic()

@@ -574,7 +574,7 @@ def test_malformed_request_after_a_good_one_on_the_same_connection(
 ACCESS_LINE = re.compile(
     r'(?P<remote>\S+) - - \[\d{2}/\w{3}/\d{4}:\d{2}:\d{2}:\d{2} \+0000\] '
     r'"(?P<method>\S+) (?P<target>\S+) (?P<protocol>HTTP/1\.[01])" (?P<status>\d{3}) '
-    r'(?P<size>\d+|-) "(?P<referer>[^"]*)" "(?P<agent>[^"]*)" (?P<duration>\d+\.\d+)')
+    r'(?P<size>\d+|-) "(?P<referer>[^"]*)" "(?P<agent>[^"]*)" (?P<duration>\d+\.\d+) (?P<request_id>\S+)')
 
 
 def test_access_log_combined_format(server_factory: type[Server], tmp_path: Path) -> None:

@@ -1,0 +1,207 @@
+"""Prometheus metrics across processes: prometheus_client's multiprocess mode, managed for you.
+
+Owns: the metrics directory (created per arbiter and removed at exit, or the operator's
+``PROMETHEUS_MULTIPROC_DIR``), the worker-side request recorder, folding a dead worker's files
+into an archive (counters never go down when a worker is recycled, and the directory does not
+grow with every worker that ever lived), the arbiter's own counters, and the exposition.
+
+Files follow prometheus_client's multiprocess format and naming (``TYPE_…_PID.db``), so
+``MultiProcessCollector`` merges ours, the application's own metrics and the archive in one pass.
+The application's metrics need nothing special: workers inherit ``PROMETHEUS_MULTIPROC_DIR``.
+
+Why a recorder of our own for the request metrics rather than ``Counter().labels().inc()``:
+the library's path costs ~1.9 µs per request (labels lookup, a lock, a pid check, two file
+writes); ours writes the same file format in ~0.8 µs (three 16-byte stores into the mmap).
+
+prometheus_client is imported only once the directory is set: it decides at import time
+whether its values live in files (multiprocess mode) or in memory, and the workers inherit
+what the arbiter imported.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import os
+import shutil
+import tempfile
+import threading
+from typing import Any
+
+
+ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+# Web latencies: 0.5 ms … 60 s.
+BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+           30.0, 60.0, float("inf"))
+METHODS = frozenset(("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "CONNECT",
+                     "TRACE"))
+REQUESTS_HELP = "Requests answered, by method and status (server-side refusals included)"
+DURATION_HELP = "Time from a request's head to the end of its response, in seconds"
+CANCELLED_HELP = "Requests cancelled at the drain deadline"
+RESTARTS_HELP = "Workers replaced, by reason"
+RELOADS_HELP = "Reloads (HUP) and in-place upgrades (USR2), by outcome"
+RESTART_REASONS = ("max_requests", "crashed", "timeout", "boot_failed")
+RELOAD_OUTCOMES = ("succeeded", "failed")
+# Dead workers' counters, histograms and summaries are folded into these (never gauges: those
+# follow their multiprocess_mode).
+ARCHIVED = ("counter", "histogram", "summary")
+
+
+def counter_key(name: str, labels: dict[str, str], help_text: str) -> str:
+    from prometheus_client.mmap_dict import mmap_key
+
+    return mmap_key(name, name + "_total", list(labels), list(labels.values()), help_text)
+
+
+# -- the directory (arbiter side) ---------------------------------------------------------------
+
+def prepare_directory(handover: dict[str, Any] | None, environ: Any = os.environ
+                      ) -> tuple[str, bool, int]:
+    """Where the multiprocess files go: (path, owned by us, stale files removed).
+
+    After an in-place upgrade, the directory the old image used (its archive and the old
+    workers' files are still live). Otherwise the operator's ``PROMETHEUS_MULTIPROC_DIR``,
+    wiped of ``*.db`` files from an earlier run (prometheus_client requires that), or a new
+    private directory. The variable is set in our environment either way: workers and a
+    preloaded app inherit it, and prometheus_client reads it when it is first imported.
+    """
+    if handover is not None and handover.get("metrics_dir"):
+        path, owned, removed = handover["metrics_dir"], bool(handover.get("metrics_owned")), 0
+    elif environ.get(ENV):
+        path, owned = environ[ENV], False
+        os.makedirs(path, exist_ok=True)
+        stale = glob.glob(os.path.join(path, "*.db"))
+        for name in stale:
+            os.remove(name)
+        removed = len(stale)
+    else:
+        path = tempfile.mkdtemp(prefix=f"forkserve-metrics-{os.getpid()}-")
+        owned, removed = True, 0
+    environ[ENV] = path
+    return path, owned, removed
+
+
+class Store:
+    """The arbiter's side of the directory: its own counters, the archive, the exposition."""
+
+    def __init__(self, path: str, owned: bool) -> None:
+        from prometheus_client.mmap_dict import MmapedDict
+
+        self.path = path
+        self.owned = owned
+        self.counters = MmapedDict(os.path.join(path, "counter_arbiter.db"))
+        self.archives: dict[str, Any] = {}  # kind -> MmapedDict
+        for reason in RESTART_REASONS:
+            self.add("forkserve_worker_restarts", {"reason": reason}, RESTARTS_HELP, 0)
+        for outcome in RELOAD_OUTCOMES:
+            self.add("forkserve_reloads", {"outcome": outcome}, RELOADS_HELP, 0)
+
+    def add(self, name: str, labels: dict[str, str], help_text: str, amount: float = 1) -> None:
+        """Increase one of the arbiter's counters (kept in a file: an upgrade keeps it)."""
+        key = counter_key(name, labels, help_text)
+        value, _ = self.counters.read_value(key)
+        self.counters.write_value(key, value + amount, 0.0)
+
+    def process_gone(self, pid: int) -> None:
+        """A worker exited: fold its counters into the archive, drop its live gauges.
+
+        Runs in the arbiter's loop, as do scrapes, so no scrape sees a value twice or never.
+        """
+        for name in glob.glob(os.path.join(self.path, f"*_{pid}.db")):
+            kind = os.path.basename(name).split("_", 1)[0]
+            if kind in ARCHIVED:
+                from prometheus_client.mmap_dict import MmapedDict
+
+                archive = self.archives.get(kind)
+                if archive is None:
+                    archive = MmapedDict(os.path.join(self.path, f"{kind}_archive.db"))
+                    self.archives[kind] = archive
+                for key, value, _, _ in MmapedDict.read_all_values_from_file(name):
+                    if value:
+                        old, _ = archive.read_value(key)
+                        archive.write_value(key, old + value, 0.0)
+                os.remove(name)
+            elif kind == "gauge" and os.path.basename(name).split("_")[1].startswith("live"):
+                os.remove(name)  # prometheus_client's mark_process_dead()
+            # Other gauge modes (all, sum, max, ...) outlive their process by definition.
+
+    def forget(self, pid: int) -> None:
+        """A process that was never a worker (the upgrade's check) wrote files: drop them."""
+        for name in glob.glob(os.path.join(self.path, f"*_{pid}.db")):
+            os.remove(name)
+
+    def exposition(self, accept: str, collector: Any) -> tuple[bytes, str]:
+        """The whole /metrics body: every process's files merged, plus ``collector`` (the
+        arbiter's live gauges). OpenMetrics when the scraper asks for it."""
+        from prometheus_client import CollectorRegistry
+        from prometheus_client.exposition import choose_encoder
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        registry = CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(registry, path=self.path)
+        registry.register(collector)
+        encoder, content_type = choose_encoder(accept)
+        return encoder(registry), content_type
+
+    def close(self) -> None:
+        for mmapped in (self.counters, *self.archives.values()):
+            mmapped.close()
+        if self.owned:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+# -- the worker side ----------------------------------------------------------------------------
+
+class Recorder:
+    """Per-request metrics of one worker, in its own files (``*_fs_PID.db``).
+
+    Counts live in Python; each change is one store of the absolute value into the mmap (the
+    file is the worker's alone, so no lock between processes; one lock between the threads of
+    a thread worker). Never called when metrics are off: the worker then has no recorder.
+    """
+
+    def __init__(self, path: str, pid: int) -> None:
+        from prometheus_client.mmap_dict import MmapedDict, mmap_key
+        from prometheus_client.utils import floatToGoString
+
+        self.counts = MmapedDict(os.path.join(path, f"counter_fs_{pid}.db"))
+        self.histogram = MmapedDict(os.path.join(path, f"histogram_fs_{pid}.db"))
+        self.lock = threading.Lock()
+        # (method, status) -> [count, key]
+        self.requests: dict[tuple[str, int], list[Any]] = {}
+        name = "forkserve_request_duration_seconds"
+        self.bucket_keys = [mmap_key(name, name + "_bucket", ["le"], [floatToGoString(b)],
+                                     DURATION_HELP) for b in BUCKETS]
+        self.bucket_counts = [0.0] * len(BUCKETS)
+        self.sum_key = mmap_key(name, name + "_sum", [], [], DURATION_HELP)
+        self.sum = 0.0
+        self.cancelled_key = counter_key("forkserve_drain_cancelled_requests", {}, CANCELLED_HELP)
+        self.cancelled_count = 0.0
+        # Every series exists from the start, at zero.
+        for key in self.bucket_keys:
+            self.histogram.write_value(key, 0.0, 0.0)
+        self.histogram.write_value(self.sum_key, 0.0, 0.0)
+        self.counts.write_value(self.cancelled_key, 0.0, 0.0)
+
+    def request(self, method: str, status: int, duration: float) -> None:
+        if method not in METHODS:
+            method = "other"  # no series per made-up method
+        with self.lock:
+            slot = self.requests.get((method, status))
+            if slot is None:
+                key = counter_key("forkserve_requests", {"method": method, "status": str(status)},
+                                  REQUESTS_HELP)
+                slot = self.requests[(method, status)] = [0.0, key]
+            slot[0] += 1.0
+            self.counts.write_value(slot[1], slot[0], 0.0)
+            index = bisect.bisect_left(BUCKETS, duration)
+            value = self.bucket_counts[index] = self.bucket_counts[index] + 1.0
+            self.histogram.write_value(self.bucket_keys[index], value, 0.0)
+            self.sum += duration
+            self.histogram.write_value(self.sum_key, self.sum, 0.0)
+
+    def cancelled(self) -> None:
+        with self.lock:
+            self.cancelled_count += 1.0
+            self.counts.write_value(self.cancelled_key, self.cancelled_count, 0.0)
