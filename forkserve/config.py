@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import string
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -127,11 +128,37 @@ def _access_log_format(value: Any) -> str:
         return text.strip().lower()
     if "{" not in text:
         raise ValueError(f"expected combined, json or a template with {{fields}}; got {text!r}")
-    # The field names live with the access log; checked here so a typo is a config error.
-    from forkserve.telemetry.accesslog import check_template
-
-    check_template(text)
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(text) if name is not None]
+    except ValueError as exc:
+        raise ValueError(f"bad access-log template {text!r}: {exc}") from None
+    unknown = sorted({n for n in names if n not in ACCESS_LOG_FIELDS})
+    if unknown or not names:
+        raise ValueError(f"unknown field(s) {', '.join(unknown) or '(none given)'} in the "
+                         f"access-log template; fields: {', '.join(ACCESS_LOG_FIELDS)}")
     return text
+
+
+# What an access-log template (and the json format) can name: forkserve.telemetry.accesslog
+# fills exactly these.
+ACCESS_LOG_FIELDS = {
+    "time": "request start, as Apache's day/Mon/year:H:M:S +0000",
+    "time_iso": "request start, ISO 8601 UTC with milliseconds",
+    "remote_addr": "the client's address",
+    "method": "request method",
+    "path": "request path, as sent (still %-encoded)",
+    "query": "query string, without the ?",
+    "target": "the whole request target (path?query)",
+    "protocol": "HTTP/1.1 or HTTP/1.0",
+    "status": "response status",
+    "bytes": "response body bytes sent",
+    "duration_us": "microseconds from the request head to the end of the response",
+    "duration": "the same in seconds",
+    "referer": "Referer header, or -",
+    "user_agent": "User-Agent header, or -",
+    "request_id": "X-Request-ID from the request, or one generated for it",
+    "pid": "the worker's process id",
+}
 
 
 def _binds(value: Any) -> list[str]:
