@@ -183,6 +183,16 @@ class Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def status_port(self) -> int:
+        """The --status-bind port (start the server with ``--status-bind 127.0.0.1:0``)."""
+        record = self.wait_log("Status server listening")
+        return int(str(record["status_bind"]).rsplit(":", 1)[1])
+
+    @property
+    def status_url(self) -> str:
+        return f"http://127.0.0.1:{self.status_port}"
+
     def wait_ready(self, timeout: float = DEFAULT_TIMEOUT) -> "Server":
         self.wait_log("Server ready", timeout)
         return self
