@@ -173,11 +173,10 @@ class Arbiter:
         if self.control is not None:
             self.control.close()
         self.log.info("Server stopped", exit_code=int(self.exit_code))
-        # Last: the status server answered through the whole drain.
+        # Last: the status server answered through the whole drain. (The cli then removes
+        # the metrics directory.)
         if self.status_server is not None:
             self.status_server.close()
-        if self.metrics is not None:
-            self.metrics.close()
 
     # -- state -----------------------------------------------------------------------------
     def transition(self, event: Event, message: str, level: str = "info", **fields: Any) -> None:
@@ -477,10 +476,13 @@ class Arbiter:
         wait a moment for the answers. A busy sync worker sends heartbeats only between
         requests, so without this, status would show its last idle numbers."""
         self.fresh = set()
-        for handle in self.workers.values():
-            self.send(handle, signal.SIGWINCH)
+        # Not a worker still loading its app (it cannot answer yet), nor one that took the
+        # stop (it reports every change by itself).
+        asked = {pid for pid, h in self.workers.items() if h.booted and not h.draining}
+        for pid in asked:
+            self.send(self.workers[pid], signal.SIGWINCH)
         deadline = time.monotonic() + timeout
-        while not set(self.workers) <= self.fresh:
+        while not (asked & set(self.workers)) <= self.fresh:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break

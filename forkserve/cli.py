@@ -101,6 +101,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return ExitCode.ERROR
         if removed:
             log.info("Removed metric files of an earlier run", directory=path, files=removed)
+    try:
+        return _serve(config, cli, args, start_cwd, handover, store, log)
+    finally:
+        if store is not None:
+            store.close()  # after an in-place upgrade's exec this never runs: the new image keeps it
+
+
+def _serve(config: Config, cli: dict[str, Any], args: list[str], start_cwd: str,
+           handover: dict[str, Any] | None, store: Any, log: Log) -> int:
     app = None
     if config.preload:
         try:
@@ -113,8 +122,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         status_sock = open_status(config, handover, log)
     except (BindError, ControlError) as exc:
         log.error(str(exc))
-        if store is not None:
-            store.close()
         return ExitCode.ERROR
 
     from forkserve.arbiter import Arbiter

@@ -30,6 +30,7 @@ from typing import Any
 
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
+PREFIX = "forkserve-metrics-"  # + the arbiter's pid: private directories in the temp dir
 
 # Web latencies: 0.5 ms … 60 s.
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -76,10 +77,26 @@ def prepare_directory(handover: dict[str, Any] | None, environ: Any = os.environ
             os.remove(name)
         removed = len(stale)
     else:
-        path = tempfile.mkdtemp(prefix=f"forkserve-metrics-{os.getpid()}-")
+        sweep_orphans()
+        path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
         owned, removed = True, 0
     environ[ENV] = path
     return path, owned, removed
+
+
+def sweep_orphans() -> None:
+    """Remove the private directories of arbiters that died without cleaning up (SIGKILL):
+    each is named after its arbiter's pid, and only those whose pid is gone are removed."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), PREFIX + "*")):
+        pid_text = os.path.basename(path)[len(PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:
+            continue  # alive, someone else's
 
 
 class Store:

@@ -8,6 +8,7 @@ import calendar
 import json
 import os
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -264,7 +265,7 @@ def test_reopen_when_nothing_is_buffered_and_close_twice_safe(path: Path) -> Non
 
 
 def test_concurrent_logging_and_flushing_while_rotating(tmp_path: Path) -> None:
-    """8 request threads log 2000 lines each (flushing every few lines, and on a full buffer)
+    """8 request threads log 2000 lines each (flushing now and then, and on a full buffer)
     while a rotator renames the file and reopens: every line lands whole, exactly once."""
     path = tmp_path / "access.log"
     log = AccessLog(str(path), "json")
@@ -279,7 +280,7 @@ def test_concurrent_logging_and_flushing_while_rotating(tmp_path: Path) -> None:
             start.wait(10)
             for i in range(per_thread):
                 request(log, target=f"/t{t}/{i}?pad=" + "p" * (i % 200), request_id=f"{t}-{i}")
-                if i % 7 == 0:
+                if i % 61 == 0:
                     log.flush()
         except BaseException as exc:  # reported by the main thread
             failures.append(exc)
@@ -298,12 +299,17 @@ def test_concurrent_logging_and_flushing_while_rotating(tmp_path: Path) -> None:
 
     workers = [threading.Thread(target=writer, args=(t,)) for t in range(threads)]
     rotating = threading.Thread(target=rotator)
-    for thread in [*workers, rotating]:
-        thread.start()
-    for thread in workers:
-        thread.join(60)
-    done.set()
-    rotating.join(10)
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # many more thread switches: races show up, if any
+    try:
+        for thread in [*workers, rotating]:
+            thread.start()
+        for thread in workers:
+            thread.join(60)
+        done.set()
+        rotating.join(10)
+    finally:
+        sys.setswitchinterval(switch_interval)
     assert not any(t.is_alive() for t in [*workers, rotating]), "threads did not finish"
     log.close()
     assert not failures, failures
@@ -319,6 +325,7 @@ def test_concurrent_logging_and_flushing_while_rotating(tmp_path: Path) -> None:
     assert not missing and not duplicated and set(seen) == expected, (
         f"{len(missing)} lost (e.g. {sorted(missing)[:5]}), {len(duplicated)} duplicated "
         f"(e.g. {sorted(duplicated.items())[:5]}) over {rotations[0]} rotations")
+    print(f"{rotations[0]} rotations")
     assert rotations[0] >= 3, f"only {rotations[0]} rotations happened during the writes"
 
 

@@ -1,0 +1,430 @@
+"""/metrics on the status server against real ``python -m forkserve`` process groups.
+
+The app (``tests.apps_metrics``) has its own prometheus_client metrics (``app_hits_total``, a
+counter; ``app_worker_up``, a ``liveall`` gauge), so every test also checks that they come out
+merged with forkserve's. Expositions are parsed with prometheus_client's own parsers.
+
+Port 0 for both listeners, no sleeps: requests are held in flight on FIFO gates, and every wait
+is a deadline-bounded ``wait_for`` or log wait. A worker records a request's metrics just after
+the response went out, so a count is awaited (``wait_for``) and then checked exactly.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
+from prometheus_client.openmetrics.parser import \
+    text_string_to_metric_families as parse_openmetrics
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.harness import (Server, get, open_fds, raw_request, read_response, send_get, wait_for,
+                           worker_set)
+
+APP = "tests.apps_metrics:app"
+OPENMETRICS = "application/openmetrics-text; version=1.0.0"
+REQUESTS = "forkserve_requests_total"
+DURATIONS = "forkserve_request_duration_seconds_count"
+HITS = "app_hits_total"
+PER_WORKER = ("forkserve_active_connections", "forkserve_in_flight_requests",
+              "forkserve_background_tasks", "forkserve_worker_rss_bytes",
+              "forkserve_worker_heartbeat_age_seconds")
+RESTART_REASONS = ("max_requests", "crashed", "timeout", "boot_failed")
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+def start(server_factory: Callable[..., Server], *args: str, workers: int = 2,
+          env: dict[str, str] | None = None) -> Server:
+    """A ready server of the metrics app with a status server. An empty
+    PROMETHEUS_MULTIPROC_DIR unless ``env`` gives one: one set where the tests run must not
+    leak in (empty means unset to forkserve)."""
+    server = server_factory("--status-bind", "127.0.0.1:0", *args, app=APP, workers=workers,
+                            env={"PROMETHEUS_MULTIPROC_DIR": "", **(env or {})})
+    return server.wait_ready()
+
+
+def scrape(server: Server, accept: str | None = None) -> tuple[str, str]:
+    """GET /metrics: its content type and its body."""
+    request = urllib.request.Request(f"{server.status_url}/metrics",
+                                     headers={"Accept": accept} if accept else {})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200
+        return response.headers["Content-Type"], response.read().decode()
+
+
+class Metrics:
+    """One parsed Prometheus text exposition."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.samples = [s for family in text_string_to_metric_families(text)
+                        for s in family.samples]
+
+    def select(self, name: str, **labels: str) -> list[Any]:
+        return [s for s in self.samples if s.name == name
+                and all(s.labels.get(k) == v for k, v in labels.items())]
+
+    def value(self, name: str, **labels: str) -> float:
+        """The sum over every series of ``name`` that has ``labels`` (0 when there is none)."""
+        return sum(s.value for s in self.select(name, **labels))
+
+    def pids(self, name: str) -> set[int]:
+        return {int(s.labels["pid"]) for s in self.select(name)}
+
+    def states(self) -> list[str]:
+        """forkserve_state's states at 1 (one-hot: exactly one, checked by the caller)."""
+        return [s.labels["state"] for s in self.select("forkserve_state") if s.value == 1.0]
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def metrics(server: Server) -> Metrics:
+    content_type, text = scrape(server)
+    assert content_type.startswith("text/plain"), content_type
+    return Metrics(text)
+
+
+def wait_metrics(server: Server, predicate: Callable[[Metrics], bool], what: str,
+                 timeout: float = 10.0) -> Metrics:
+    """Scrape until ``predicate`` holds; the last scrape is in the failure message."""
+    last: list[Metrics] = []
+
+    def check() -> Metrics | None:
+        m = metrics(server)
+        last[:] = [m]
+        return m if predicate(m) else None
+    try:
+        return wait_for(check, timeout, what)  # type: ignore[no-any-return]
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\nlast scrape:\n{last[0] if last else '-'}\n"
+                             f"{server.log_text()}") from None
+
+
+def fire(port: int, count: int, threads: int = 4, path: str = "/") -> collections.Counter[int]:
+    """``count`` GETs, each on its own connection (Connection: close), from ``threads``
+    client threads; each must answer 200 with its worker's pid. The pids, counted."""
+    def one(_: int) -> int:
+        response = get(port, path)
+        assert response.status == 200, response.body
+        return int(response.body)
+    with ThreadPoolExecutor(threads) as pool:
+        return collections.Counter(pool.map(one, range(count)))
+
+
+def counted(server: Server, total: int, timeout: float = 10.0) -> Metrics:
+    """Until forkserve has recorded ``total`` requests (a worker records one just after the
+    response went out), then exactly that many everywhere: no request counted twice."""
+    m = wait_metrics(server, lambda m: m.value(REQUESTS) >= total,
+                     f"forkserve_requests_total to reach {total}", timeout)
+    assert m.value(REQUESTS) == total, m
+    assert m.value(DURATIONS) == total, m
+    assert m.value(HITS) == total, m
+    return m
+
+
+class Rising:
+    """Checks that counters never go down from one scrape to the next."""
+
+    NAMES = (REQUESTS, DURATIONS, HITS)
+
+    def __init__(self) -> None:
+        self.last = {name: 0.0 for name in self.NAMES}
+        self.scrapes = 0
+
+    def check(self, m: Metrics) -> Metrics:
+        for name, previous in self.last.items():
+            value = m.value(name)
+            assert value >= previous, f"{name} went down: {previous} -> {value}\n{m}"
+            self.last[name] = value
+        self.scrapes += 1
+        return m
+
+
+def restarts(m: Metrics) -> dict[str, float]:
+    return {reason: m.value("forkserve_worker_restarts_total", reason=reason)
+            for reason in RESTART_REASONS}
+
+
+# -- counting across workers ------------------------------------------------------------------
+
+def test_thousand_requests_over_two_workers_are_counted_once(server_factory: Any) -> None:
+    server = start(server_factory)
+    pids = worker_set(server, 2)
+    served = fire(server.port, 1000, threads=8)
+    assert sum(served.values()) == 1000
+    assert set(served) == pids, f"both workers must serve; served by {served}"
+    m = counted(server, 1000)
+    assert m.value(REQUESTS, method="GET", status="200") == 1000, m
+    assert m.value("forkserve_request_duration_seconds_bucket", le="+Inf") == 1000, m
+    assert m.value("forkserve_request_duration_seconds_sum") > 0, m
+    # The app's counter lives in each worker's own file: /metrics shows their sum.
+    assert len(m.select(HITS)) == 1, m
+    # Per-worker series, for the live workers only; the app's liveall gauge likewise.
+    for name in PER_WORKER:
+        assert m.pids(name) == pids, (name, m)
+    assert m.pids("app_worker_up") == pids, m
+    assert m.value("forkserve_workers", state="running") == 2, m
+    assert restarts(m) == dict.fromkeys(RESTART_REASONS, 0.0), m
+
+
+@pytest.mark.parametrize("worker_class", ["thread", "gevent"])
+def test_thread_and_gevent_workers_count_requests(server_factory: Any, worker_class: str) -> None:
+    server = start(server_factory, "-k", worker_class)
+    pids = worker_set(server, 2)
+    served = fire(server.port, 200, threads=4)
+    assert set(served) <= pids
+    m = counted(server, 200)
+    assert m.value(REQUESTS, method="GET", status="200") == 200, m
+    assert m.pids("forkserve_in_flight_requests") == pids, m
+    assert m.pids("app_worker_up") == pids, m
+
+
+def test_unknown_methods_and_refusals_count_as_other(server_factory: Any) -> None:
+    server = start(server_factory, workers=1)
+    port = server.port
+    assert get(port, "/").status == 200
+    # A method llhttp knows but forkserve does not list: it reaches the app.
+    assert raw_request(port, b"PROPFIND / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+                       ).startswith(b"HTTP/1.1 200 ")
+    # Refused by the server itself, before any app: never a method label of their own.
+    refusals = {
+        501: b"FOO / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
+        414: b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: t\r\n\r\n",
+        431: b"GET / HTTP/1.1\r\nHost: t\r\nX-Big: " + b"b" * 9000 + b"\r\n\r\n",
+        400: b"GET / HTTP/1.1\r\nHost: t\r\nContent-Length: nope\r\n\r\n",
+    }
+    for status, data in refusals.items():
+        assert raw_request(port, data).startswith(f"HTTP/1.1 {status} ".encode()), status
+    m = wait_metrics(server, lambda m: m.value(REQUESTS) >= 6, "6 requests counted")
+    assert m.value(REQUESTS) == 6, m
+    assert m.value(REQUESTS, method="GET", status="200") == 1, m
+    assert m.value(REQUESTS, method="other", status="200") == 1, m
+    for status in refusals:
+        assert m.value(REQUESTS, method="other", status=str(status)) == 1, (status, m)
+    assert {s.labels["method"] for s in m.select(REQUESTS)} == {"GET", "other"}, m
+    assert m.value(DURATIONS) == 6, m
+    assert m.value(HITS) == 2, m  # refusals never reach the app
+
+
+# -- counters across worker exits ---------------------------------------------------------------
+
+def test_counters_never_go_down_while_max_requests_recycles_workers(server_factory: Any) -> None:
+    server = start(server_factory, "--max-requests", "50")
+    total = 400
+    rising = Rising()
+    with ThreadPoolExecutor(1) as pool:
+        load = pool.submit(fire, server.port, total, 4)
+        deadline = time.monotonic() + 60
+        while not load.done():
+            assert time.monotonic() < deadline, "the load did not finish within 60 s"
+            rising.check(metrics(server))
+        served = load.result()
+    assert sum(served.values()) == total
+    assert len(served) > 2, f"no worker was recycled: served by {served}"
+    assert rising.scrapes >= 3, f"only {rising.scrapes} scrapes during the load"
+    print("DEBUG scrapes", rising.scrapes, served)
+    m = rising.check(counted(server, total))
+    # Exactly one restart per retirement the arbiter logged; 400 requests at 50 per worker
+    # retire at least 7 (the two live workers hold fewer than 50 each).
+    m = wait_metrics(server, lambda m: restarts(m)["max_requests"] == server.count_log("retired:")
+                     and restarts(m)["max_requests"] >= 7, "one restart counted per retirement")
+    assert restarts(m) == {**dict.fromkeys(RESTART_REASONS, 0.0),
+                           "max_requests": restarts(m)["max_requests"]}, m
+    rising.check(m)
+    assert m.value(REQUESTS) == total, m
+    # The retired workers' app gauges are gone with them.
+    assert m.pids("app_worker_up") == set(server.workers()), m
+
+
+def test_killed_worker_vanishes_but_its_counts_remain(server_factory: Any) -> None:
+    server = start(server_factory)
+    pids = worker_set(server, 2)
+    made = 0
+    served: collections.Counter[int] = collections.Counter()
+
+    def both_served() -> bool:
+        nonlocal made
+        served.update(fire(server.port, 20, threads=4))
+        made += 20
+        return set(served) == pids
+    wait_for(both_served, 20, f"both workers to serve, served by {served}", interval=0)
+    m = counted(server, made)
+    victim = min(pids)
+    assert victim in m.pids("forkserve_in_flight_requests"), m
+    assert victim in m.pids("app_worker_up"), m
+
+    os.kill(victim, signal.SIGKILL)
+    server.wait_log(f"(pid {victim}) was killed by signal 9")
+    # The arbiter folded the victim's files before it logged that; the replacement's own
+    # series come once it has booted.
+    m = wait_metrics(server, lambda m: m.value("forkserve_workers", state="running") == 2
+                     and len(m.pids("app_worker_up")) == 2, "a replacement worker, booted")
+    now = set(server.workers())
+    assert victim not in now and len(now) == 2
+    left = [s for s in m.samples if s.labels.get("pid") == str(victim)]
+    assert left == [], f"series of the killed worker {victim} remain: {left}"
+    for name in PER_WORKER:
+        assert m.pids(name) == now, (name, m)
+    assert m.pids("app_worker_up") == now, m
+    assert restarts(m) == {**dict.fromkeys(RESTART_REASONS, 0.0), "crashed": 1.0}, m
+    # What the killed worker counted is still counted; the sums go on from there.
+    assert m.value(REQUESTS) == made and m.value(HITS) == made, m
+    fire(server.port, 10)
+    counted(server, made + 10)
+
+
+def test_reload_keeps_counters_and_counts_the_reload(server_factory: Any) -> None:
+    server = start(server_factory)
+    old = worker_set(server, 2)
+    fire(server.port, 30)
+    rising = Rising()
+    m = rising.check(counted(server, 30))
+    assert m.value("forkserve_generation") == 1, m
+    assert m.value("forkserve_reloads_total") == 0, m
+
+    server.signal(signal.SIGHUP)
+
+    def reloaded() -> bool:
+        m = rising.check(metrics(server))
+        return (m.value("forkserve_reloads_total", outcome="succeeded") == 1
+                and not set(server.workers()) & old and len(server.workers()) == 2)
+    wait_for(reloaded, 15, f"the reload to complete and the old workers {old} to exit",
+             interval=0)
+    m = rising.check(counted(server, 30))  # the old workers' counts, folded
+    assert m.value("forkserve_generation") == 2, m
+    assert m.value("forkserve_reloads_total", outcome="failed") == 0, m
+    assert sum(restarts(m).values()) == 0, m  # a reload is not a restart
+    new = set(server.workers())
+    assert m.pids("forkserve_in_flight_requests") == new, m
+    assert m.pids("app_worker_up") == new, m
+    fire(server.port, 20)
+    rising.check(counted(server, 50))
+
+
+# -- life-cycle gauges --------------------------------------------------------------------------
+
+def test_state_through_drain_and_cancel(server_factory: Any, gates: Any) -> None:
+    before = time.time()
+    server = start(server_factory, "--drain-timeout", "3", "--cancel-grace", "20", workers=1)
+    m = metrics(server)
+    assert m.states() == ["running"], m
+    assert m.value("forkserve_ready") == 1, m
+    assert m.value("forkserve_generation") == 1, m
+    assert before - 1 <= m.value("forkserve_start_time_seconds") <= time.time(), m
+    assert m.value("forkserve_drain_cancelled_requests_total") == 0, m
+
+    request, hold = gates("request"), gates("hold")
+    with send_get(server.port, f"/cancel-then-hold?fifo={request.path}&hold={hold.path}") as sock:
+        request.wait_entered()
+        m = wait_metrics(server, lambda m: m.value("forkserve_in_flight_requests") == 1,
+                         "the request in flight")
+        server.signal(signal.SIGTERM)
+        m = wait_metrics(server, lambda m: m.states() == ["draining"], "the draining state", 2.5)
+        assert m.value("forkserve_in_flight_requests") == 1, m
+        assert m.value("forkserve_ready") == 0, m
+        assert m.value("forkserve_workers", state="stopping") == 1, m
+        # The drain deadline cancels the request (503); its shutdown function then holds
+        # the worker, and so the server, until the test releases it.
+        assert read_response(sock, 15).status == 503
+        hold.wait_entered()
+        m = wait_metrics(server,
+                         lambda m: m.value("forkserve_drain_cancelled_requests_total") == 1,
+                         "the cancelled request to be counted")
+        assert m.states() == ["cancelling"], m
+        hold.release()
+        assert server.wait_exit(10) == 0
+    server.wait_log("Server stopped", timeout=5)
+
+
+# -- the exposition ------------------------------------------------------------------------------
+
+def test_promtool_accepts_the_exposition(server_factory: Any) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool is missing under CI: .ci/run installs Debian's prometheus package")
+        pytest.skip("promtool not found (Debian package prometheus); CI installs it")
+    server = start(server_factory)
+    fire(server.port, 20)
+    bad = b"GET / HTTP/1.1\r\nHost: t\r\nContent-Length: nope\r\n\r\n"
+    assert raw_request(server.port, bad).startswith(b"HTTP/1.1 400 ")
+    m = wait_metrics(server, lambda m: m.value(REQUESTS) == 21, "21 requests counted")
+    result = subprocess.run([promtool, "check", "metrics"], input=m.text.encode(),
+                            capture_output=True, timeout=30)
+    assert (result.returncode, result.stdout, result.stderr) == (0, b"", b""), m
+
+
+def test_openmetrics_when_asked(server_factory: Any) -> None:
+    server = start(server_factory)
+    fire(server.port, 5)
+    wait_metrics(server, lambda m: m.value(REQUESTS) == 5, "5 requests counted")
+    content_type, text = scrape(server, OPENMETRICS)
+    assert content_type.startswith("application/openmetrics-text; version=1.0.0"), content_type
+    assert text.endswith("# EOF\n"), text[-200:]
+    families = {f.name: f for f in parse_openmetrics(text)}  # strict: fails on a bad line
+    requests = families["forkserve_requests"]
+    assert requests.type == "counter"
+    assert sum(s.value for s in requests.samples if s.name == REQUESTS) == 5
+    assert families["forkserve_request_duration_seconds"].type == "histogram"
+    assert families["forkserve_state"].type == "gauge"
+    assert "app_hits" in families and "app_worker_up" in families
+    # Without the Accept header: the Prometheus text format.
+    content_type, text = scrape(server)
+    assert content_type.startswith("text/plain; version=0.0.4"), content_type
+    assert "# EOF" not in text
+
+
+# -- the directory -------------------------------------------------------------------------------
+
+def test_private_directory_lives_as_long_as_the_server(server_factory: Any) -> None:
+    server = start(server_factory)
+    path = get(server.port, "/metrics-dir").body.decode()
+    assert os.path.basename(path).startswith(f"forkserve-metrics-{server.pid}-"), path
+    assert os.path.isdir(path)
+    assert any(f.startswith(path + os.sep) for f in open_fds(server.pid)), open_fds(server.pid)
+    fire(server.port, 5)
+    counted(server, 6)  # and /metrics-dir
+    assert any(name.endswith(".db") for name in os.listdir(path))
+    server.signal(signal.SIGTERM)
+    assert server.wait_exit(10) == 0
+    assert not os.path.exists(path), os.listdir(path)
+
+
+def test_operator_directory_is_wiped_of_stale_files_and_kept(server_factory: Any,
+                                                             tmp_path: Path) -> None:
+    directory = tmp_path / "prom"
+    directory.mkdir()
+    # What an earlier run left: a worker's file that would add 1000 requests if it were read.
+    stale = directory / "counter_fs_99999.db"
+    earlier = MmapedDict(str(stale))
+    name = "forkserve_requests"
+    earlier.write_value(mmap_key(name, name + "_total", ["method", "status"], ["GET", "200"],
+                                 "stale"), 1000.0, 0.0)
+    earlier.close()
+    unrelated = directory / "README"
+    unrelated.write_text("not a metrics file\n")
+
+    server = start(server_factory, env={"PROMETHEUS_MULTIPROC_DIR": str(directory)})
+    record = server.wait_log("Removed metric files of an earlier run")
+    assert record["files"] == 1 and record["directory"] == str(directory), record
+    assert not stale.exists()
+    assert get(server.port, "/metrics-dir").body.decode() == str(directory)
+    fire(server.port, 4)
+    counted(server, 5)
+    assert any(p.suffix == ".db" for p in directory.iterdir())
+    server.signal(signal.SIGTERM)
+    assert server.wait_exit(10) == 0
+    assert directory.is_dir()
+    assert unrelated.read_text() == "not a metrics file\n"
