@@ -508,7 +508,7 @@ class Arbiter:
             **self.totals(),
             "workers": [{
                 "pid": h.pid, "worker_id": h.worker_id, "generation": h.generation,
-                "state": ("booting" if not h.booted else "stopping" if h.stopping else "running"),
+                "state": worker_state(h),
                 "age": round(now - h.spawned_at, 3), "requests_served": h.requests_served,
                 "active_connections": h.active_connections,
                 "in_flight_requests": h.in_flight_requests,
@@ -868,6 +868,16 @@ class Arbiter:
                 self.cancel()
         if self.state in (State.BOOTING, State.RUNNING):
             self.spawn_missing(now)
+
+
+def worker_state(handle: WorkerHandle) -> str:
+    """booting, running, stopping (asked to stop, or retiring), draining (it took the stop:
+    its numbers are live from then on)."""
+    if not handle.booted:
+        return "booting"
+    if handle.draining:
+        return "draining"
+    return "stopping" if handle.stopping else "running"
 
 
 def _json(status: int, body: dict[str, Any]) -> Answer:

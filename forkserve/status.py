@@ -217,7 +217,7 @@ def rss_bytes(pid: int) -> int:
 
 # -- /metrics: the arbiter's live numbers --------------------------------------------------------
 
-WORKER_STATES = ("booting", "running", "stopping")
+WORKER_STATES = ("booting", "running", "stopping", "draining")
 PER_WORKER = (
     ("forkserve_active_connections", "Connections a worker holds open", "active_connections"),
     ("forkserve_in_flight_requests",

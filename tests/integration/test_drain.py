@@ -18,6 +18,7 @@ import re
 import signal
 import socket
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Iterator
 from urllib.parse import urlencode
@@ -148,6 +149,14 @@ class Scenario:
     def alive(self) -> bool:
         return self.server.proc.poll() is None
 
+    def wait_workers_draining(self, timeout: float = 10.0) -> None:
+        """Every worker took the stop (needs --status-bind): /status says so."""
+        def all_draining() -> bool:
+            with urllib.request.urlopen(self.server.status_url + "/status", timeout=5) as r:
+                workers = json.loads(r.read())["workers"]
+            return bool(workers) and all(w["state"] == "draining" for w in workers)
+        wait_for(all_draining, timeout, f"every worker to take the stop\n{self.server.log_text()}")
+
     def wait_exit(self, timeout: float) -> float:
         """Wait for exit code 0 and the final log line; return seconds from the signal."""
         code = self.server.wait_exit(timeout)
@@ -275,7 +284,7 @@ def test_idle_server_stops_promptly(scenario: Any, worker_class: str) -> None:
 
 @by_worker_class
 def test_idle_keepalive_closed_at_drain_start(scenario: Any, gates: Any, worker_class: str) -> None:
-    s = scenario(worker_class, "--keepalive", "30", workers=2)
+    s = scenario(worker_class, "--keepalive", "30", "--status-bind", "127.0.0.1:0", workers=2)
     gate = gates()
     # First the busy one (no Connection: close from the client), so the idle one lands on the
     # other worker.
@@ -288,6 +297,10 @@ def test_idle_keepalive_closed_at_drain_start(scenario: Any, gates: Any, worker_
     assert time.monotonic() - t0 < 1.5, "the idle keep-alive connection was not closed at once"
     idle.close()
     assert s.alive()
+    # The busy worker has taken the stop (the TERM reached it; on a loaded machine the
+    # arbiter's signal to it may come a moment after the other's): only a response that
+    # starts after that must say Connection: close.
+    s.wait_workers_draining()
     gate.release()
     with busy:
         response = read_response(busy)

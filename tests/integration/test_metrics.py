@@ -234,18 +234,22 @@ def test_counters_never_go_down_while_max_requests_recycles_workers(server_facto
     assert sum(served.values()) == total
     assert len(served) > 2, f"no worker was recycled: served by {served}"
     assert rising.scrapes >= 3, f"only {rising.scrapes} scrapes during the load"
-    print("DEBUG scrapes", rising.scrapes, served)
     m = rising.check(counted(server, total))
     # Exactly one restart per retirement the arbiter logged; 400 requests at 50 per worker
     # retire at least 7 (the two live workers hold fewer than 50 each).
-    m = wait_metrics(server, lambda m: restarts(m)["max_requests"] == server.count_log("retired:")
-                     and restarts(m)["max_requests"] >= 7, "one restart counted per retirement")
+    def settled(m: Metrics) -> bool:
+        return (restarts(m)["max_requests"] == server.count_log("retired:")
+                and restarts(m)["max_requests"] >= 7
+                and m.value("forkserve_workers", state="running") == 2
+                and m.value("forkserve_workers") == 2)
+    m = rising.check(wait_metrics(server, settled, "one restart counted per retirement, and "
+                                  "two workers running"))
     assert restarts(m) == {**dict.fromkeys(RESTART_REASONS, 0.0),
                            "max_requests": restarts(m)["max_requests"]}, m
-    rising.check(m)
     assert m.value(REQUESTS) == total, m
     # The retired workers' app gauges are gone with them.
-    assert m.pids("app_worker_up") == set(server.workers()), m
+    live = m.pids("forkserve_in_flight_requests")
+    assert len(live) == 2 and m.pids("app_worker_up") == live, m
 
 
 def test_killed_worker_vanishes_but_its_counts_remain(server_factory: Any) -> None:
