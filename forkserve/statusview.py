@@ -22,7 +22,15 @@ from forkserve.control import ControlError, request
 
 
 class Unreachable(Exception):
-    """The server could not be asked (not running, wrong address, refused)."""
+    """The server could not be asked. ``gone``: nothing listens there (refused, no socket
+    file); otherwise it may be alive but slow (a timeout, a dropped connection)."""
+
+    def __init__(self, message: str, gone: bool) -> None:
+        super().__init__(message)
+        self.gone = gone
+
+
+GONE = (ConnectionRefusedError, FileNotFoundError)
 
 
 def fetch(control_socket: str | None, url: str | None, timeout: float = 5.0) -> dict[str, Any]:
@@ -30,16 +38,20 @@ def fetch(control_socket: str | None, url: str | None, timeout: float = 5.0) -> 
         try:
             answer, fds = request(control_socket, "status", timeout)
         except (OSError, ControlError) as exc:
-            raise Unreachable(f"cannot talk to {control_socket}: {exc}") from None
+            raise Unreachable(f"cannot talk to {control_socket}: {exc}",
+                              isinstance(exc, GONE)) from None
+        for fd in fds:
+            os.close(fd)
         return answer
     assert url is not None
-    target = url.rstrip("/") + "/status"
+    base = url.rstrip("/")
+    target = base if base.endswith("/status") else base + "/status"
     try:
         with urllib.request.urlopen(target, timeout=timeout) as response:
             return dict(json.loads(response.read().decode()))
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise Unreachable(f"cannot get {target}: {reason}") from None
+        raise Unreachable(f"cannot get {target}: {reason}", isinstance(reason, GONE)) from None
 
 
 def _duration(seconds: float) -> str:
@@ -123,12 +135,19 @@ def main(argv: Sequence[str]) -> int:
             try:
                 snapshot = fetch(args.control_socket, args.url)
             except Unreachable as exc:
-                if seen:
+                if not seen:
+                    sys.stderr.write(f"forkserve status: {exc}\n")
+                    return 1
+                if exc.gone:
                     out.write("forkserve has stopped\n")
                     out.flush()
                     return 0
-                sys.stderr.write(f"forkserve status: {exc}\n")
-                return 1
+                # Alive but not answering (stopped, swamped): say so and keep watching.
+                out.write(clear + time.strftime("%H:%M:%S  ") + f"no answer: {exc}\n"
+                          + ("" if clear else "\n"))
+                out.flush()
+                time.sleep(args.interval)
+                continue
             seen = True
             text = json.dumps(snapshot, indent=2) + "\n" if args.json else render(snapshot)
             if args.watch:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +37,7 @@ HEADER = re.compile(r"forkserve (?P<version>\S+)  pid (?P<pid>\d+)  (?P<state>[a
                     r"up (?P<up>\S+)  (?P<worker_class>[a-z]+) workers (?P<workers>\d+)")
 TOTALS = re.compile(r"in flight (?P<in_flight>\d+)  connections (?P<connections>\d+)  "
                     r"background (?P<background>\d+)(?P<paused>  PAUSED)?")
-STAMP = re.compile(r"(?m)^(?=\d\d:\d\d:\d\d  forkserve )")  # where each --watch frame starts
+STAMP = re.compile(r"(?m)^(?=\d\d:\d\d:\d\d  (?:forkserve |no answer: ))")  # where each --watch frame starts
 STOPPED = "forkserve has stopped\n"
 RUN_TIMEOUT = 20.0  # one `forkserve status` call: a Python start and one request, on a busy box
 
@@ -127,6 +129,8 @@ class Watcher:
         frames = []
         for chunk in chunks:
             assert chunk.endswith("\n\n"), f"a frame without its blank separator: {chunk!r}"
+            if chunk[len("HH:MM:SS  "):].startswith("no answer: "):
+                continue  # the server did not answer in time: a note, not a table
             frames.append(parse_table(chunk[len("HH:MM:SS  "):-1]))
         return frames
 
@@ -243,6 +247,9 @@ def test_table_shows_a_request_in_flight(server_factory: Any, ctl_dir: Path, gat
     gate = gates()
     with send_get(server.port, gate.route) as sock:
         gate.wait_entered()
+        # A busy sync worker reports when asked; wait until the arbiter has heard, then look.
+        wait_for(lambda: fetch_status(server)["in_flight_requests"] == 1, 10,
+                 "the arbiter to count the request in flight")
         for via in ("url", "control-socket"):
             done = status(*where(server, path, via))
             assert done.returncode == 0, done.stderr
@@ -310,7 +317,8 @@ def test_watch_a_drain_until_the_server_is_gone(server_factory: Any, ctl_dir: Pa
     assert 2 in counts and 1 in counts, counts
     for frame in after_term:
         assert frame.header["ready"] == "not ready", frame
-        assert {row["STATE"] for row in frame.rows} <= {"stopping"}, frame
+        # Asked to stop, then (once it took the stop) draining.
+        assert {row["STATE"] for row in frame.rows} <= {"stopping", "draining"}, frame
     # By the time one request is left, at most one worker can still be holding it.
     assert sum(int(r["IN FLIGHT"]) for r in frames[one].rows) == 1, frames[one]
 
@@ -343,6 +351,69 @@ def test_watch_with_json_prints_one_snapshot_per_frame(server_factory: Any, ctl_
     for frame in frames:
         assert frame.endswith("}\n\n"), frame
         assert json.loads(frame)["pid"] == server.pid
+
+
+def test_watch_ends_quietly_when_its_reader_leaves(server_factory: Any, ctl_dir: Path) -> None:
+    # `forkserve status --watch | head -1`
+    server, _ = start(server_factory, ctl_dir)
+    proc = subprocess.Popen([sys.executable, "-m", "forkserve", "status", "--watch", "--url",
+                             server.status_url, "--interval", "0.2"], cwd=str(ROOT), env=_env(),
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        readable, _, _ = select.select([proc.stdout], [], [], 15)
+        assert readable, "no first frame within 15s"
+        assert os.read(proc.stdout.fileno(), 65536)
+        proc.stdout.close()
+        assert proc.wait(15) == 0
+        assert proc.stderr.read() == b""  # no BrokenPipeError traceback
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+FETCH_TIMEOUT = 5.0  # forkserve.statusview.fetch's default: how long one look waits for an answer
+
+
+@pytest.mark.slow
+def test_watch_outlasts_a_server_that_does_not_answer_for_a_while(server_factory: Any,
+                                                                  ctl_dir: Path,
+                                                                  watchers: Any) -> None:
+    """A server that is alive but does not answer (here: its arbiter SIGSTOPped for longer
+    than one look waits) is not gone: the watcher must not say it stopped."""
+    server, path = start(server_factory, ctl_dir)
+    watches = [watchers(*where(server, path, via), "--interval", "0.2")
+               for via in ("url", "control-socket")]
+    for watch in watches:
+        watch.wait_frame(lambda f: f.header["state"] == "running", "a first frame")
+    server.signal(signal.SIGSTOP)
+    try:
+        # Time is the point here: longer than one look's timeout, with margin for a busy box.
+        end = time.monotonic() + FETCH_TIMEOUT + 2.0
+        for watch in watches:
+            try:
+                watch.proc.wait(max(end - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                pass
+        gave_up = [f"{watch.proc.args[5]}: exit code {watch.proc.returncode}, "
+                   f"output ending {watch.out[-60:]!r}"
+                   for watch in watches if watch.proc.poll() is not None or STOPPED in watch.out]
+        assert not gave_up, ("a watcher said the server stopped while it was alive (SIGSTOPped "
+                             f"pid {server.pid}):\n" + "\n".join(gave_up))
+    finally:
+        server.signal(signal.SIGCONT)
+    counts = [len(watch.frames()) for watch in watches]
+    for watch, count in zip(watches, counts):
+        watch.wait_frame(lambda f: f.header["state"] == "running", "a frame after SIGCONT",
+                         after=count)
+    server.signal(signal.SIGTERM)
+    assert server.wait_exit(15) == 0
+    for watch in watches:
+        assert watch.wait(15) == 0, watch.err
+        assert watch.out.endswith(STOPPED)
 
 
 # -- failures -----------------------------------------------------------------------------------
