@@ -40,6 +40,7 @@ ARBITER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP,
 KILL_GRACE = 2.0  # seconds between SIGABRT/SIGQUIT and SIGKILL for a worker that will not go
 MAX_RESPAWN_DELAY = 10.0
 MAX_POLL_MS = 3_600_000.0
+STATUS_FINISH = 1.0  # seconds status requests in progress get before an upgrade's exec
 # What an in-place upgrade hands to the new image (read and removed by cli.main).
 UPGRADE_ENV = "FORKSERVE_UPGRADE_HANDOVER"
 
@@ -355,6 +356,10 @@ class Arbiter:
             "generation": self.generation,
         }
         if self.status_server is not None:
+            if self.status_server.clients:
+                self.log.info("Upgrade: answering the status requests in progress first",
+                              clients=len(self.status_server.clients))
+            self.status_server.finish(time.monotonic() + STATUS_FINISH)
             handover["status_fd"] = self.status_server.fileno()
             os.set_inheritable(self.status_server.fileno(), True)
         if self.metrics is not None:

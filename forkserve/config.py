@@ -136,9 +136,17 @@ def _access_log_format(value: Any) -> str:
     if unknown or not names:
         raise ValueError(f"unknown field(s) {', '.join(unknown) or '(none given)'} in the "
                          f"access-log template; fields: {', '.join(ACCESS_LOG_FIELDS)}")
+    # A format spec or conversion that does not fit a field's type ({path:d}) would fail
+    # on every request: try it now on values of the real types.
+    sample = {name: 0 if name in ACCESS_LOG_NUMBERS else "-" for name in ACCESS_LOG_FIELDS}
+    try:
+        text.format_map(sample)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        raise ValueError(f"bad access-log template {text!r}: {exc}") from None
     return text
 
 
+ACCESS_LOG_NUMBERS = frozenset(("status", "bytes", "duration_us", "pid"))  # ints; the rest are text
 # What an access-log template (and the json format) can name: forkserve.telemetry.accesslog
 # fills exactly these.
 ACCESS_LOG_FIELDS = {

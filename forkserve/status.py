@@ -16,6 +16,7 @@ import ipaddress
 import os
 import select
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -47,19 +48,25 @@ class _Client:
     parser: Any = None
     received: int = 0
     url: bytes = b""
+    method: str = ""
     headers: dict[bytes, bytes] = field(default_factory=dict)
     complete: bool = False
     out: bytes = b""
 
-    # httptools callbacks
+    # httptools callbacks. Only the first request counts: llhttp goes on parsing whatever
+    # follows it (a pipelined request, garbage), which must not change what is answered.
     def on_url(self, url: bytes) -> None:
-        self.url += url
+        if not self.complete:
+            self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.lower()] = value
+        if not self.complete:
+            self.headers[name.lower()] = value
 
     def on_message_complete(self) -> None:
-        self.complete = True
+        if not self.complete:
+            self.complete = True
+            self.method = self.parser.get_method().decode("latin-1")
 
 
 class StatusServer:
@@ -130,23 +137,25 @@ class StatusServer:
             self._drop(fd)
             return
         client.received += len(data)
+        if client.received > MAX_HEAD:
+            self._answer(fd, client, _text(431, "request too large\n"), head_only=False)
+            return
         try:
             client.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            client.complete = True
+            client.on_message_complete()
         except httptools.HttpParserError:
-            self._answer(fd, client, _text(400, "bad request\n"), head_only=False)
-            return
+            if not client.complete:
+                self._answer(fd, client, _text(400, "bad request\n"), head_only=False)
+                return
         if client.complete:
-            method = client.parser.get_method().decode("latin-1")
+            method = client.method
             path = httptools.parse_url(client.url).path.decode("latin-1") if client.url else "/"
             if method not in ("GET", "HEAD"):
                 answer = _text(405, "only GET and HEAD\n")
             else:
                 answer = self.handler(method, path, client.headers)
             self._answer(fd, client, answer, head_only=method == "HEAD")
-        elif client.received > MAX_HEAD:
-            self._answer(fd, client, _text(431, "request too large\n"), head_only=False)
 
     def _answer(self, fd: int, client: _Client, answer: Answer, head_only: bool) -> None:
         status, content_type, body = answer
@@ -174,6 +183,21 @@ class StatusServer:
         client = self.clients.pop(fd)
         self.poller.unregister(fd)
         client.sock.close()
+
+    def finish(self, deadline: float) -> None:
+        """Before an in-place upgrade's exec: answer the connections already accepted (their
+        requests may be a moment away), accepting no more — the listener and its queue go to
+        the new image. Bounded by ``deadline``; what is left then is closed."""
+        while self.clients:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            poller = select.poll()
+            for fd, client in self.clients.items():
+                poller.register(fd, POLLOUT if client.out else POLLIN)
+            self.serve(poller.poll(remaining * 1000.0), time.monotonic())
+        for fd in list(self.clients):
+            self._drop(fd)
 
     def close(self) -> None:
         for fd in list(self.clients):

@@ -32,8 +32,7 @@ class AccessLog:
         self._owns_fd = False
         self._lines: list[str] = []
         self._size = 0
-        self._second = -1
-        self._stamp = ""
+        self._stamp = (-1, "")  # (second, its text): one tuple, so request threads never mix them
         self._lock = threading.Lock()  # flush and reopen; emitting needs none (list.append)
         self.pid = os.getpid()
         self.open()
@@ -48,10 +47,12 @@ class AccessLog:
 
     def timestamp(self, when: float) -> str:
         second = int(when)
-        if second != self._second:
-            self._second = second
-            self._stamp = time.strftime("%d/%b/%Y:%H:%M:%S +0000", time.gmtime(when))
-        return self._stamp
+        cached = self._stamp
+        if cached[0] == second:
+            return cached[1]
+        text = time.strftime("%d/%b/%Y:%H:%M:%S +0000", time.gmtime(when))
+        self._stamp = (second, text)
+        return text
 
     def request(self, remote: str, method: str, target: str, protocol: str, status: int,
                 size: int, referer: str | None, agent: str | None, started: float,
@@ -72,7 +73,9 @@ class AccessLog:
                 "request_id": request_id, "pid": self.pid,
             }
             if self.template is None:
-                line = json.dumps(fields, ensure_ascii=False, separators=(",", ":")) + "\n"
+                fields["duration"] = round(duration, 6)
+                # ASCII only: a client's C1 controls or U+2028 never split or colour the line.
+                line = json.dumps(fields, separators=(",", ":")) + "\n"
             else:
                 for key in ("path", "query", "target", "referer", "user_agent", "request_id",
                             "method"):

@@ -12,11 +12,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from forkserve.config import ACCESS_LOG_FIELDS
+from forkserve.telemetry import accesslog
 from forkserve.telemetry.accesslog import FLUSH_AT, REQUEST_ID_MAX, AccessLog, RequestIds
 
 STARTED = 1700000000.25  # 14/Nov/2023:22:13:20 +0000
@@ -221,6 +223,35 @@ def test_time_is_the_request_start_in_utc(path: Path) -> None:
     assert parsed == int(STARTED)
 
 
+def test_time_of_concurrent_requests(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Request threads share the per-second timestamp cache. A thread switch can come at any
+    call: here, while one thread formats the stamp of a new second, another logs a request of
+    that same second. Each line must still carry its own request's start time."""
+    log = AccessLog(str(path), "{time} {request_id}")
+    request(log, started=STARTED, request_id="earlier")
+    real_strftime = time.strftime
+    switched = []
+
+    def strftime_with_a_switch(fmt: str, when: Any) -> str:
+        if fmt.startswith("%d/%b") and not switched:
+            switched.append(True)
+            other = threading.Thread(target=request, args=(log,),
+                                     kwargs={"started": STARTED + 1, "request_id": "other"})
+            other.start()
+            other.join(10)
+        return real_strftime(fmt, when)
+
+    monkeypatch.setattr(accesslog, "time", SimpleNamespace(strftime=strftime_with_a_switch,
+                                                           gmtime=time.gmtime))
+    request(log, started=STARTED + 1, request_id="this")
+    monkeypatch.undo()
+    log.close()
+    assert switched
+    assert sorted(lines_of(path)) == sorted([
+        f"{APACHE_TIME} earlier\n", "14/Nov/2023:22:13:21 +0000 other\n",
+        "14/Nov/2023:22:13:21 +0000 this\n"])
+
+
 # -- buffering, reopen ------------------------------------------------------------------------
 
 def test_buffered_until_flush_or_buffer_full(path: Path) -> None:
@@ -253,7 +284,7 @@ def test_reopen_after_rename(path: Path) -> None:
     assert content(path) == "/after\n"
 
 
-def test_reopen_when_nothing_is_buffered_and_close_twice_safe(path: Path) -> None:
+def test_reopen_with_nothing_buffered(path: Path) -> None:
     log = AccessLog(str(path), "{path}")
     path.rename(path.with_name("gone"))
     log.reopen()
