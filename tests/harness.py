@@ -278,6 +278,12 @@ def read_head(sock: socket.socket, timeout: float = 10.0) -> tuple[int, dict[str
         if not chunk:
             raise ConnectionError(f"connection closed before a full response head: {data!r}")
         data += chunk
+    return parse_head(data)
+
+
+def parse_head(data: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Status, headers (names lower-cased) and what follows the head, of bytes that hold a
+    whole response head."""
     head, _, rest = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     headers = {}

@@ -23,7 +23,8 @@ from urllib.parse import urlencode
 
 import pytest
 
-from tests.harness import Server, get, open_fds, read_response, send_get, wait_for
+from tests.harness import (Server, get, open_fds, parse_head, read_response, send_get,
+                           wait_for)
 
 GEVENT = ("-k", "gevent")
 DEADLINE = "Drain timeout reached, cancelling in-flight requests"
@@ -107,16 +108,11 @@ def read_all_responses(socks: list[socket.socket], timeout: float) -> dict[socke
 def _parse_response(data: bytes) -> tuple[int, dict[str, str], bytes] | None:
     if b"\r\n\r\n" not in data:
         return None
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
+    status, headers, body = parse_head(data)
     length = int(headers.get("content-length", "0"))
     if len(body) < length:
         return None
-    return int(lines[0].split()[1]), headers, body[:length]
+    return status, headers, body[:length]
 
 
 @pytest.fixture

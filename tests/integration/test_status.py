@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 
 import forkserve
-from tests.harness import (ROOT, Response, Server, get, open_fds, read_response, refused,
-                           send_get, wait_for, worker_set)
+from tests.harness import (ROOT, Response, Server, get, open_fds, parse_head, read_response,
+                           refused, send_get, wait_for, worker_set)
 
 STATUS = ("--status-bind", "127.0.0.1:0")
 USAGE = 2
@@ -64,13 +64,7 @@ def read_to_close(sock: socket.socket, timeout: float) -> bytes:
 def parse(data: bytes) -> Response:
     if b"\r\n\r\n" not in data:
         raise ConnectionError(f"closed without a full answer: {data!r}")
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
-    return Response(int(lines[0].split()[1]), headers, body)
+    return Response(*parse_head(data))
 
 
 def exchange(port: int, data: bytes, timeout: float = 5.0) -> Response:
