@@ -525,6 +525,13 @@ class Arbiter:
 
     # -- the status server (/healthz /readyz /status /metrics) -------------------------------------
     def answer_status(self, method: str, path: str, headers: dict[bytes, bytes]) -> Answer:
+        try:
+            return self.status_page(path, headers)
+        except Exception as exc:  # a status page must never take the arbiter down
+            self.log.exception(f"Status request {path} failed", exc)
+            return _json(500, {"error": f"{type(exc).__name__}: {exc}"})
+
+    def status_page(self, path: str, headers: dict[bytes, bytes]) -> Answer:
         if path == "/healthz":
             return _json(200, {"status": "alive", "state": self.state.value})
         if path == "/readyz":
@@ -726,7 +733,11 @@ class Arbiter:
         fields = {"worker": handle.worker_id, "pid": handle.pid, "generation": handle.generation,
                   "exit": how}
         if self.metrics is not None:
-            self.metrics.process_gone(handle.pid)
+            try:
+                self.metrics.process_gone(handle.pid)
+            except Exception as exc:  # bookkeeping must never take the arbiter down
+                self.log.exception("Could not archive a worker's metric files", exc,
+                                   pid=handle.pid)
         if not handle.booted:
             self.on_boot_failure(handle, how, status)
         elif handle.kill_reason:

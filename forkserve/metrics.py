@@ -47,6 +47,7 @@ RELOAD_OUTCOMES = ("succeeded", "failed")
 # Dead workers' counters, histograms and summaries are folded into these (never gauges: those
 # follow their multiprocess_mode).
 ARCHIVED = ("counter", "histogram", "summary")
+MIN_FILE = 8  # bytes: the header (used length + padding) of a file that can be read
 
 
 def counter_key(name: str, labels: dict[str, str], help_text: str) -> str:
@@ -82,6 +83,23 @@ def prepare_directory(handover: dict[str, Any] | None, environ: Any = os.environ
         owned, removed = True, 0
     environ[ENV] = path
     return path, owned, removed
+
+
+def _size(name: str) -> int:
+    try:
+        return os.stat(name).st_size
+    except FileNotFoundError:
+        return 0  # a live gauge file removed meanwhile
+
+
+def read_values(name: str) -> list[tuple[str, float, float, int]]:
+    """A file's entries; none for a file created but not yet sized (the worker died in that
+    moment)."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    if _size(name) < MIN_FILE:
+        return []
+    return list(MmapedDict.read_all_values_from_file(name))
 
 
 def sweep_orphans() -> None:
@@ -134,7 +152,7 @@ class Store:
                 if archive is None:
                     archive = MmapedDict(os.path.join(self.path, f"{kind}_archive.db"))
                     self.archives[kind] = archive
-                for key, value, _, _ in MmapedDict.read_all_values_from_file(name):
+                for key, value, _, _ in read_values(name):
                     if value:
                         old, _ = archive.read_value(key)
                         archive.write_value(key, old + value, 0.0)
@@ -148,15 +166,23 @@ class Store:
         for name in glob.glob(os.path.join(self.path, f"*_{pid}.db")):
             os.remove(name)
 
+    def collect(self) -> Any:
+        """Every process's files, merged (prometheus_client's MultiProcessCollector, minus the
+        files too new to read: a process creates its file empty and sizes it a moment later)."""
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        files = [name for name in glob.glob(os.path.join(self.path, "*.db"))
+                 if _size(name) >= MIN_FILE]
+        return MultiProcessCollector.merge(files, accumulate=True)
+
     def exposition(self, accept: str, collector: Any) -> tuple[bytes, str]:
         """The whole /metrics body: every process's files merged, plus ``collector`` (the
         arbiter's live gauges). OpenMetrics when the scraper asks for it."""
         from prometheus_client import CollectorRegistry
         from prometheus_client.exposition import choose_encoder
-        from prometheus_client.multiprocess import MultiProcessCollector
 
         registry = CollectorRegistry(auto_describe=False)
-        MultiProcessCollector(registry, path=self.path)
+        registry.register(self)
         registry.register(collector)
         encoder, content_type = choose_encoder(accept)
         return encoder(registry), content_type

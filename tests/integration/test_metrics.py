@@ -55,12 +55,21 @@ def start(server_factory: Callable[..., Server], *args: str, workers: int = 2,
 
 
 def scrape(server: Server, accept: str | None = None) -> tuple[str, str]:
-    """GET /metrics: its content type and its body."""
+    """GET /metrics: its content type and its body. A failure shows the server's log (and,
+    if the arbiter died, its traceback)."""
     request = urllib.request.Request(f"{server.status_url}/metrics",
                                      headers={"Accept": accept} if accept else {})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        assert response.status == 200
-        return response.headers["Content-Type"], response.read().decode()
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200
+            return response.headers["Content-Type"], response.read().decode()
+    except OSError as exc:  # URLError, a reset or closed connection, a timeout
+        try:
+            wait_for(lambda: server.proc.poll() is not None, 5, "the arbiter to exit")
+        except AssertionError:
+            pass  # still running: the log is all there is
+        raise AssertionError(f"GET /metrics failed: {exc!r}; server exit code "
+                             f"{server.proc.poll()}\n{server.log_text()[-8000:]}") from None
 
 
 class Metrics:
@@ -123,14 +132,18 @@ def fire(port: int, count: int, threads: int = 4, path: str = "/") -> collection
         return collections.Counter(pool.map(one, range(count)))
 
 
-def counted(server: Server, total: int, timeout: float = 10.0) -> Metrics:
-    """Until forkserve has recorded ``total`` requests (a worker records one just after the
-    response went out), then exactly that many everywhere: no request counted twice."""
-    m = wait_metrics(server, lambda m: m.value(REQUESTS) >= total,
-                     f"forkserve_requests_total to reach {total}", timeout)
+def counted(server: Server, total: int, hits: int | None = None, timeout: float = 10.0
+            ) -> Metrics:
+    """Until forkserve has recorded ``total`` requests and the app ``hits`` (default: the
+    same), then exactly that many: no request counted twice. A worker records a request
+    just after its response went out, the counter then the histogram, so all are awaited."""
+    hits = total if hits is None else hits
+    m = wait_metrics(server, lambda m: m.value(REQUESTS) >= total
+                     and m.value(DURATIONS) >= total and m.value(HITS) >= hits,
+                     f"{total} requests and {hits} app hits counted", timeout)
     assert m.value(REQUESTS) == total, m
     assert m.value(DURATIONS) == total, m
-    assert m.value(HITS) == total, m
+    assert m.value(HITS) == hits, m
     return m
 
 
@@ -177,6 +190,9 @@ def test_thousand_requests_over_two_workers_are_counted_once(server_factory: Any
     assert m.pids("app_worker_up") == pids, m
     assert m.value("forkserve_workers", state="running") == 2, m
     assert restarts(m) == dict.fromkeys(RESTART_REASONS, 0.0), m
+    # Idle again: the live gauges come back to zero (a scrape asks every worker afresh).
+    wait_metrics(server, lambda m: m.value("forkserve_in_flight_requests") == 0
+                 and m.value("forkserve_active_connections") == 0, "idle workers to show 0")
 
 
 @pytest.mark.parametrize("worker_class", ["thread", "gevent"])
@@ -207,15 +223,12 @@ def test_unknown_methods_and_refusals_count_as_other(server_factory: Any) -> Non
     }
     for status, data in refusals.items():
         assert raw_request(port, data).startswith(f"HTTP/1.1 {status} ".encode()), status
-    m = wait_metrics(server, lambda m: m.value(REQUESTS) >= 6, "6 requests counted")
-    assert m.value(REQUESTS) == 6, m
+    m = counted(server, 6, hits=2)  # refusals never reach the app
     assert m.value(REQUESTS, method="GET", status="200") == 1, m
     assert m.value(REQUESTS, method="other", status="200") == 1, m
     for status in refusals:
         assert m.value(REQUESTS, method="other", status=str(status)) == 1, (status, m)
     assert {s.labels["method"] for s in m.select(REQUESTS)} == {"GET", "other"}, m
-    assert m.value(DURATIONS) == 6, m
-    assert m.value(HITS) == 2, m  # refusals never reach the app
 
 
 # -- counters across worker exits ---------------------------------------------------------------
@@ -226,9 +239,9 @@ def test_counters_never_go_down_while_max_requests_recycles_workers(server_facto
     rising = Rising()
     with ThreadPoolExecutor(1) as pool:
         load = pool.submit(fire, server.port, total, 4)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 30
         while not load.done():
-            assert time.monotonic() < deadline, "the load did not finish within 60 s"
+            assert time.monotonic() < deadline, "the load did not finish within 30 s"
             rising.check(metrics(server))
         served = load.result()
     assert sum(served.values()) == total
@@ -335,10 +348,12 @@ def test_state_through_drain_and_cancel(server_factory: Any, gates: Any) -> None
         m = wait_metrics(server, lambda m: m.value("forkserve_in_flight_requests") == 1,
                          "the request in flight")
         server.signal(signal.SIGTERM)
-        m = wait_metrics(server, lambda m: m.states() == ["draining"], "the draining state", 2.5)
+        m = wait_metrics(server, lambda m: m.states() == ["draining"]
+                         and m.value("forkserve_workers", state="draining") == 1,
+                         "the draining state, in the arbiter and its worker", 2.5)
         assert m.value("forkserve_in_flight_requests") == 1, m
         assert m.value("forkserve_ready") == 0, m
-        assert m.value("forkserve_workers", state="stopping") == 1, m
+        assert m.value("forkserve_workers") == 1, m
         # The drain deadline cancels the request (503); its shutdown function then holds
         # the worker, and so the server, until the test releases it.
         assert read_response(sock, 15).status == 503
@@ -357,14 +372,14 @@ def test_state_through_drain_and_cancel(server_factory: Any, gates: Any) -> None
 def test_promtool_accepts_the_exposition(server_factory: Any) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
-        if os.environ.get("CI"):
-            pytest.fail("promtool is missing under CI: .ci/run installs Debian's prometheus package")
+        if "CI" in os.environ:  # skipped only where CI is not set at all
+            pytest.fail("promtool is missing under CI (.ci/run installs Debian's prometheus)")
         pytest.skip("promtool not found (Debian package prometheus); CI installs it")
     server = start(server_factory)
     fire(server.port, 20)
     bad = b"GET / HTTP/1.1\r\nHost: t\r\nContent-Length: nope\r\n\r\n"
     assert raw_request(server.port, bad).startswith(b"HTTP/1.1 400 ")
-    m = wait_metrics(server, lambda m: m.value(REQUESTS) == 21, "21 requests counted")
+    m = counted(server, 21, hits=20)
     result = subprocess.run([promtool, "check", "metrics"], input=m.text.encode(),
                             capture_output=True, timeout=30)
     assert (result.returncode, result.stdout, result.stderr) == (0, b"", b""), m
@@ -373,7 +388,7 @@ def test_promtool_accepts_the_exposition(server_factory: Any) -> None:
 def test_openmetrics_when_asked(server_factory: Any) -> None:
     server = start(server_factory)
     fire(server.port, 5)
-    wait_metrics(server, lambda m: m.value(REQUESTS) == 5, "5 requests counted")
+    counted(server, 5)
     content_type, text = scrape(server, OPENMETRICS)
     assert content_type.startswith("application/openmetrics-text; version=1.0.0"), content_type
     assert text.endswith("# EOF\n"), text[-200:]
@@ -432,3 +447,21 @@ def test_operator_directory_is_wiped_of_stale_files_and_kept(server_factory: Any
     assert server.wait_exit(10) == 0
     assert directory.is_dir()
     assert unrelated.read_text() == "not a metrics file\n"
+
+
+def test_scrape_survives_a_metrics_file_being_created(server_factory: Any, tmp_path: Path) -> None:
+    """prometheus_client creates a process's file empty, then sizes it (MmapedDict: open, then
+    truncate). A worker booting (or any process sharing the directory) is in that window for
+    an instant; a scrape then must neither fail nor take the arbiter down. The empty file is
+    held here so that the window is not left to chance: --max-requests recycling under
+    scrapes hits it within seconds (test_counters_never_go_down_while_max_requests_...)."""
+    directory = tmp_path / "prom"
+    server = start(server_factory, env={"PROMETHEUS_MULTIPROC_DIR": str(directory)})
+    fire(server.port, 3)
+    counted(server, 3)
+    (directory / "counter_4242.db").touch()  # as MmapedDict leaves it before its truncate
+    m = metrics(server)
+    assert m.value(REQUESTS) == 3 and m.value(HITS) == 3, m
+    assert server.proc.poll() is None, server.log_text()
+    fire(server.port, 2)
+    counted(server, 5)
