@@ -3,6 +3,7 @@
     python bench/hello.py                       # forkserve, 2 workers, c=2 and c=100
     python bench/hello.py --server gunicorn     # the same for gunicorn's sync worker
     python bench/hello.py -c 2 -c 50 -d 10
+    python bench/hello.py --with=--status-bind=127.0.0.1:0   # forkserve with metrics on
 
 Needs Debian's ``wrk``. Both servers get the same app (examples/hello.py), worker count and
 client load; wrk shares the machine's cores with the server, as in the brief's figures.
@@ -33,7 +34,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(server: str, port: int, workers: int) -> subprocess.Popen[bytes]:
+def start(server: str, port: int, workers: int, extra: list[str]) -> subprocess.Popen[bytes]:
     if server == "forkserve":
         argv = [sys.executable, "-m", "forkserve", "-b", f"127.0.0.1:{port}", "-w", str(workers),
                 "--log-level", "warning", "examples.hello:app"]
@@ -56,6 +57,7 @@ def start(server: str, port: int, workers: int) -> subprocess.Popen[bytes]:
                 "-w", str(workers), "--log-level", "warning", "examples.hello:app"]
     else:
         raise SystemExit(f"unknown server {server}")
+    argv[-1:-1] = extra  # before the app
     proc = subprocess.Popen(argv, cwd=ROOT, start_new_session=True)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
@@ -90,16 +92,19 @@ def main() -> None:
     parser.add_argument("-w", "--workers", type=int, default=2)
     parser.add_argument("-c", "--connections", type=int, action="append")
     parser.add_argument("-d", "--duration", type=int, default=10)
+    parser.add_argument("--with", dest="extra", action="append", default=[], metavar="ARG",
+                        help="one more argument for the server (repeatable), e.g. "
+                             "--with=--status-bind=127.0.0.1:0 --with=--access-log=/dev/null")
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is not installed (apt-get install wrk)")
     port = free_port()
-    proc = start(args.server, port, args.workers)
+    proc = start(args.server, port, args.workers, args.extra)
     try:
         wrk(port, 2, 1)  # warm-up
         for connections in args.connections or [2, 100]:
             r = wrk(port, connections, args.duration)
-            print(f"{args.server:16} workers={args.workers} c={connections:<4} "
+            print(f"{args.server:16} {' '.join(args.extra)} workers={args.workers} c={connections:<4} "
                   f"req/s={float(r['rps']):>10,.0f} p50={r['p50']:>8} p99={r['p99']:>8} "
                   f"non2xx={r['non2xx']} socket-errors: {r['errors']}", flush=True)
     finally:
