@@ -21,9 +21,11 @@ what the arbiter imported.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import glob
 import os
 import shutil
+import struct
 import tempfile
 import threading
 from typing import Any
@@ -199,52 +201,78 @@ class Store:
 class Recorder:
     """Per-request metrics of one worker, in its own files (``*_fs_PID.db``).
 
-    Counts live in Python; each change is one store of the absolute value into the mmap (the
-    file is the worker's alone, so no lock between processes; one lock between the threads of
-    a thread worker). Never called when metrics are off: the worker then has no recorder.
+    Counts live in Python; each change is one 8-byte store of the absolute value into the
+    mmap, at the entry's offset (prometheus_client's file format: the file is this worker's
+    alone, so no lock between processes). The thread worker's request threads share one lock;
+    the sync and gevent workers need none. Never called when metrics are off: the worker then
+    has no recorder.
     """
 
-    def __init__(self, path: str, pid: int) -> None:
+    def __init__(self, path: str, pid: int, threaded: bool) -> None:
         from prometheus_client.mmap_dict import MmapedDict, mmap_key
         from prometheus_client.utils import floatToGoString
 
         self.counts = MmapedDict(os.path.join(path, f"counter_fs_{pid}.db"))
         self.histogram = MmapedDict(os.path.join(path, f"histogram_fs_{pid}.db"))
-        self.lock = threading.Lock()
-        # (method, status) -> [count, key]
+        # (method, status) -> [count, offset in self.counts]
         self.requests: dict[tuple[str, int], list[Any]] = {}
         name = "forkserve_request_duration_seconds"
-        self.bucket_keys = [mmap_key(name, name + "_bucket", ["le"], [floatToGoString(b)],
-                                     DURATION_HELP) for b in BUCKETS]
+        self.bucket_at = [self._entry(self.histogram, mmap_key(
+            name, name + "_bucket", ["le"], [floatToGoString(b)], DURATION_HELP)) for b in BUCKETS]
         self.bucket_counts = [0.0] * len(BUCKETS)
-        self.sum_key = mmap_key(name, name + "_sum", [], [], DURATION_HELP)
+        self.sum_at = self._entry(self.histogram, mmap_key(name, name + "_sum", [], [],
+                                                           DURATION_HELP))
         self.sum = 0.0
-        self.cancelled_key = counter_key("forkserve_drain_cancelled_requests", {}, CANCELLED_HELP)
+        self.cancelled_at = self._entry(self.counts, counter_key(
+            "forkserve_drain_cancelled_requests", {}, CANCELLED_HELP))
         self.cancelled_count = 0.0
-        # Every series exists from the start, at zero.
-        for key in self.bucket_keys:
-            self.histogram.write_value(key, 0.0, 0.0)
-        self.histogram.write_value(self.sum_key, 0.0, 0.0)
-        self.counts.write_value(self.cancelled_key, 0.0, 0.0)
+        self.lock = threading.Lock() if threaded else None
+        if threaded:
+            lock = self.lock
+            record = self._record
+
+            def locked(method: str, status: int, duration: float) -> None:
+                with lock:
+                    record(method, status, duration)
+            self.request = locked  # type: ignore[method-assign]
+        else:
+            self.request = self._record  # type: ignore[method-assign]
+
+    @staticmethod
+    def _entry(mmapped: Any, key: str) -> int:
+        """Create an entry (every series exists from the start, at zero); its value's offset."""
+        mmapped.write_value(key, 0.0, 0.0)
+        return int(mmapped._positions[key])
 
     def request(self, method: str, status: int, duration: float) -> None:
+        """One answered request (replaced per instance in __init__)."""
+
+    def _record(self, method: str, status: int, duration: float) -> None:
         if method not in METHODS:
             method = "other"  # no series per made-up method
-        with self.lock:
-            slot = self.requests.get((method, status))
-            if slot is None:
-                key = counter_key("forkserve_requests", {"method": method, "status": str(status)},
-                                  REQUESTS_HELP)
-                slot = self.requests[(method, status)] = [0.0, key]
-            slot[0] += 1.0
-            self.counts.write_value(slot[1], slot[0], 0.0)
-            index = bisect.bisect_left(BUCKETS, duration)
-            value = self.bucket_counts[index] = self.bucket_counts[index] + 1.0
-            self.histogram.write_value(self.bucket_keys[index], value, 0.0)
-            self.sum += duration
-            self.histogram.write_value(self.sum_key, self.sum, 0.0)
+        slot = self.requests.get((method, status))
+        if slot is None:
+            key = counter_key("forkserve_requests", {"method": method, "status": str(status)},
+                              REQUESTS_HELP)
+            slot = self.requests[(method, status)] = [0.0, self._entry(self.counts, key)]
+        slot[0] += 1.0
+        at = slot[1]
+        self.counts._m[at:at + 8] = _DOUBLE(slot[0])  # _m: the file may have been remapped
+        index = bisect.bisect_left(BUCKETS, duration)
+        value = self.bucket_counts[index] = self.bucket_counts[index] + 1.0
+        histogram = self.histogram._m
+        at = self.bucket_at[index]
+        histogram[at:at + 8] = _DOUBLE(value)
+        self.sum += duration
+        at = self.sum_at
+        histogram[at:at + 8] = _DOUBLE(self.sum)
 
     def cancelled(self) -> None:
-        with self.lock:
+        """A request cancelled at the drain deadline (rare: no fast path needed)."""
+        with self.lock or contextlib.nullcontext():
             self.cancelled_count += 1.0
-            self.counts.write_value(self.cancelled_key, self.cancelled_count, 0.0)
+            at = self.cancelled_at
+            self.counts._m[at:at + 8] = _DOUBLE(self.cancelled_count)
+
+
+_DOUBLE = struct.Struct("d").pack  # native, as prometheus_client's own files

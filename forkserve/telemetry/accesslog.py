@@ -33,6 +33,7 @@ class AccessLog:
         self._lines: list[str] = []
         self._size = 0
         self._stamp = (-1, "")  # (second, its text): one tuple, so request threads never mix them
+        self._iso = (-1, "")  # the same for ISO 8601, without the milliseconds
         self._lock = threading.Lock()  # flush and reopen; emitting needs none (list.append)
         self.pid = os.getpid()
         self.open()
@@ -54,6 +55,13 @@ class AccessLog:
         self._stamp = (second, text)
         return text
 
+    def iso(self, when: float) -> str:
+        second = int(when)
+        cached = self._iso
+        if cached[0] != second:
+            cached = self._iso = (second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)))
+        return f"{cached[1]}.{int(when % 1 * 1000):03d}Z"
+
     def request(self, remote: str, method: str, target: str, protocol: str, status: int,
                 size: int, referer: str | None, agent: str | None, started: float,
                 duration: float, request_id: str) -> None:
@@ -65,7 +73,7 @@ class AccessLog:
             # The names are forkserve.config.ACCESS_LOG_FIELDS (a test keeps them equal).
             path, _, query = target.partition("?")
             fields = {
-                "time": self.timestamp(started), "time_iso": _iso(started),
+                "time": self.timestamp(started), "time_iso": self.iso(started),
                 "remote_addr": remote, "method": method, "path": path, "query": query,
                 "target": target, "protocol": protocol, "status": status, "bytes": size,
                 "duration_us": int(duration * 1e6), "duration": f"{duration:.6f}",
@@ -74,8 +82,7 @@ class AccessLog:
             }
             if self.template is None:
                 fields["duration"] = round(duration, 6)
-                # ASCII only: a client's C1 controls or U+2028 never split or colour the line.
-                line = json.dumps(fields, separators=(",", ":")) + "\n"
+                line = _JSON(fields) + "\n"
             else:
                 for key in ("path", "query", "target", "referer", "user_agent", "request_id",
                             "method"):
@@ -144,10 +151,6 @@ class RequestIds:
         return f"{self.prefix}-{next(self.counter):x}"
 
 
-def _iso(when: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)) + f".{int(when % 1 * 1000):03d}Z"
-
-
 def _quote(text: str) -> str:
     """Escape what would break the line's format or a terminal (CVE-style log injection)."""
     if text.isprintable() and '"' not in text and "\\" not in text:
@@ -155,5 +158,8 @@ def _quote(text: str) -> str:
     return "".join(c if c.isprintable() and c not in '"\\' else repr(c)[1:-1] if c != '"' else '\\"'
                    for c in text)
 
+
+# ASCII only: a client's C1 controls or U+2028 never split or colour a JSON line.
+_JSON = json.JSONEncoder(separators=(",", ":")).encode
 
 __all__ = ["AccessLog", "RequestIds"]

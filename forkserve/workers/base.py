@@ -80,6 +80,8 @@ class WorkerSettings:
 class Worker:
     """The child's runtime. ``WorkerHandle`` in the arbiter is the parent's view of it."""
 
+    multithread = False  # True when request threads share this worker's state
+
     def __init__(self, worker_id: int, generation: int, settings: WorkerSettings,
                  listeners: list[Listener], counter_fd: int, alive_fd: int, log: Log,
                  app: Callable[..., Any] | None, close_fds: list[int]) -> None:
@@ -180,7 +182,7 @@ class Worker:
         if self.settings.metrics_dir:
             from forkserve.metrics import Recorder
 
-            self.metrics = Recorder(self.settings.metrics_dir, os.getpid())
+            self.metrics = Recorder(self.settings.metrics_dir, os.getpid(), self.multithread)
         self.pool = BackgroundPool(self.settings.background_threads, self.counters, self.log,
                                    self._pool_changed, self.spans)
 
