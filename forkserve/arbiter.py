@@ -28,6 +28,7 @@ from forkserve.control import ControlServer
 from forkserve.counters import Decoder, ExitCode, Kind, Record
 from forkserve.lifecycle import Event, State, next_state
 from forkserve.logs import Log
+from forkserve.metrics import ENV as METRICS_ENV
 from forkserve.metrics import RELOADS_HELP, RESTARTS_HELP
 from forkserve.sockets import BindError, Listener, bind
 from forkserve.status import ArbiterCollector, Answer, StatusServer, rss_bytes
@@ -41,6 +42,8 @@ KILL_GRACE = 2.0  # seconds between SIGABRT/SIGQUIT and SIGKILL for a worker tha
 MAX_RESPAWN_DELAY = 10.0
 MAX_POLL_MS = 3_600_000.0
 STATUS_FINISH = 1.0  # seconds status requests in progress get before an upgrade's exec
+REFRESH_WAIT = 0.1  # seconds a status answer waits for the workers' live numbers
+FRESH_FOR = 0.05  # numbers this recent answer without asking again (a burst of scrapes)
 # What an in-place upgrade hands to the new image (read and removed by cli.main).
 UPGRADE_ENV = "FORKSERVE_UPGRADE_HANDOVER"
 
@@ -100,7 +103,10 @@ class Arbiter:
     paused_addresses: list[str] = field(default_factory=list)
     notifier: Any = None  # forkserve.systemd.Notifier, when systemd is listening
     next_watchdog: float | None = None  # next WATCHDOG=1, when systemd asks for them
-    fresh: set[int] | None = None  # workers heard from since refresh_counters() asked
+    fresh: set[int] | None = None  # workers heard from since numbers_fresh() asked
+    refresh_asked: set[int] = field(default_factory=set)
+    refresh_until: float = 0.0
+    refreshed_at: float = -1.0
     status_sock: Any = None  # the --status-bind listener (socket.socket), bound by the cli
     status_server: StatusServer | None = None
     metrics: Any = None  # forkserve.metrics.Store, when metrics are on
@@ -142,7 +148,8 @@ class Arbiter:
             self.control = ControlServer(self.config.control_socket, self.command)
             poller.register(self.control.fileno(), select.POLLIN)
         if self.status_sock is not None:
-            self.status_server = StatusServer(self.status_sock, poller, self.answer_status)
+            self.status_server = StatusServer(self.status_sock, poller, self.answer_status,
+                                              self.log)
         self.log.info("Starting forkserve", listening=",".join(l.name() for l in self.listeners),
                       workers=self.config.worker_count, worker_class=self.config.worker_class,
                       app=self.config.app)
@@ -159,6 +166,9 @@ class Arbiter:
             for signum in self.signals.drain():
                 self.dispatch.get(signum, self.reap)()
             self.read_counters()
+            if self.fresh is not None and self.refresh_done(time.monotonic()) \
+                    and self.status_server is not None:
+                self.status_server.resume()
             self.reap()
             if self.control is not None:
                 self.serve_control(ready)
@@ -323,9 +333,12 @@ class Arbiter:
                              state=self.state.value)
             return
         self.log.info("Upgrade requested: checking the new configuration and application")
+        env = dict(os.environ)
+        if self.metrics is not None:
+            env[METRICS_ENV] = self.metrics.scratch()  # the check's app import must not count
         self.upgrade_check = subprocess.Popen(
             [sys.executable, "-m", "forkserve", "--check", *self.argv], cwd=self.cwd or None,
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def upgrade_checked(self, status: int) -> None:
         check, self.upgrade_check = self.upgrade_check, None
@@ -334,8 +347,6 @@ class Arbiter:
         error = check.stderr.read().decode("utf-8", "replace").strip() if check.stderr else ""
         if check.stderr is not None:
             check.stderr.close()
-        if self.metrics is not None:
-            self.metrics.forget(check.pid)  # files its app import may have created
         if check.returncode != 0:
             reason = error.splitlines()[-1] if error else f"the check exited {check.returncode}"
             self.log.error(f"Upgrade aborted, still serving: {reason}")
@@ -448,6 +459,7 @@ class Arbiter:
             simple[name]()
             return {"ok": True, "state": self.state.value}, []
         if name == "status":
+            self.refresh_counters()
             return self.status(), []
         if name == "scale":
             try:
@@ -476,34 +488,56 @@ class Arbiter:
             return []
         return [self.control.fileno(), *self.control.clients]
 
-    def refresh_counters(self, timeout: float) -> None:
-        """Ask every worker for its numbers now (SIGWINCH: its handler writes one record) and
-        wait a moment for the answers. A busy sync worker sends heartbeats only between
-        requests, so without this, status would show its last idle numbers."""
-        self.fresh = set()
-        # Not a worker still loading its app (it cannot answer yet), nor one that took the
-        # stop (it reports every change by itself).
-        asked = {pid for pid, h in self.workers.items() if h.booted and not h.draining}
-        for pid in asked:
-            self.send(self.workers[pid], signal.SIGWINCH)
-        deadline = time.monotonic() + timeout
-        while not (asked & set(self.workers)) <= self.fresh:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            select.select([self.counter_r], [], [], remaining)
-            self.read_counters()
-        self.fresh = None
+    # -- live numbers on demand ------------------------------------------------------------
+    # A busy sync worker sends heartbeats only between requests, so a status answer asks the
+    # workers for their numbers first (SIGWINCH: the handler writes one record). The loop never
+    # waits for them: a status request waits (StatusServer), the answers come in as records.
+    def numbers_fresh(self) -> bool:
+        """True when the workers' numbers are fresh enough to answer with; otherwise asks for
+        them (once for any number of waiting requests) and says False for now."""
+        now = time.monotonic()
+        if self.fresh is None:
+            if now - self.refreshed_at < FRESH_FOR:
+                return True
+            # Not a worker still loading its app (it cannot answer yet), nor one that took
+            # the stop (it reports every change by itself).
+            self.refresh_asked = {pid for pid, h in self.workers.items()
+                                  if h.booted and not h.draining}
+            if not self.refresh_asked:
+                self.refreshed_at = now
+                return True
+            self.fresh = set()
+            self.refresh_until = now + REFRESH_WAIT
+            for pid in self.refresh_asked:
+                self.send(self.workers[pid], signal.SIGWINCH)
+            return False
+        self.read_counters()
+        return self.refresh_done(now)
+
+    def refresh_done(self, now: float) -> bool:
+        if self.fresh is None:
+            return True
+        if (self.refresh_asked & set(self.workers)) <= self.fresh or now >= self.refresh_until:
+            self.fresh = None
+            self.refreshed_at = now
+            return True
+        return False
+
+    def refresh_counters(self) -> None:
+        """The control socket's status: the same, waiting here (bounded by REFRESH_WAIT)."""
+        while not self.numbers_fresh():
+            select.select([self.counter_r], [], [], max(self.refresh_until - time.monotonic(), 0))
 
     def ready(self) -> bool:
-        """Readiness: serving steadily with this generation's workers booted."""
+        """Readiness: serving steadily, this generation booted, at least one worker of it up
+        (one being replaced does not make the instance unready; none left does)."""
         return (self.state is State.RUNNING and self.reload_generation is None
-                and not self.paused and self.upgrade_check is None)
+                and not self.paused and self.upgrade_check is None
+                and any(h.booted for h in self.current()))
 
     def status(self) -> dict[str, Any]:
         """One snapshot of everything: the control socket's and /status's answer, and what
-        /metrics's live gauges are made of."""
-        self.refresh_counters(0.1)
+        /metrics's live gauges are made of (callers refresh the numbers first)."""
         now = time.monotonic()
         return {
             "ok": True, "state": self.state.value, "ready": self.ready(),
@@ -524,7 +558,9 @@ class Arbiter:
         }
 
     # -- the status server (/healthz /readyz /status /metrics) -------------------------------------
-    def answer_status(self, method: str, path: str, headers: dict[bytes, bytes]) -> Answer:
+    def answer_status(self, method: str, path: str, headers: dict[bytes, bytes]) -> Answer | None:
+        if path in ("/status", "/metrics") and not self.numbers_fresh():
+            return None  # asked the workers; answered when their numbers are in
         try:
             return self.status_page(path, headers)
         except Exception as exc:  # a status page must never take the arbiter down
@@ -846,6 +882,8 @@ class Arbiter:
             deadlines.append(self.respawn_after)
         if self.next_watchdog is not None:
             deadlines.append(self.next_watchdog)
+        if self.fresh is not None:
+            deadlines.append(self.refresh_until)
         if self.status_server is not None:
             client_deadline = self.status_server.next_deadline()
             if client_deadline is not None:

@@ -94,8 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # at import whether its values live in the shared directory.
         from forkserve.metrics import Store, prepare_directory
         try:
-            path, owned, removed = prepare_directory(handover)
-            store = Store(path, owned)
+            path, owned, removed, lock = prepare_directory(handover)
+            store = Store(path, owned, lock)
         except OSError as exc:
             log.error(f"cannot prepare the metrics directory: {exc}")
             return ExitCode.ERROR

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import fcntl
 import glob
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -50,6 +52,8 @@ RELOAD_OUTCOMES = ("succeeded", "failed")
 # follow their multiprocess_mode).
 ARCHIVED = ("counter", "histogram", "summary")
 MIN_FILE = 8  # bytes: the header (used length + padding) of a file that can be read
+METRIC_FILE = re.compile(r"(counter|gauge|histogram|summary)_[^/]*\.db\Z")  # nothing else is touched
+LOCK_FILE = ".forkserve.lock"
 
 
 def counter_key(name: str, labels: dict[str, str], help_text: str) -> str:
@@ -61,30 +65,53 @@ def counter_key(name: str, labels: dict[str, str], help_text: str) -> str:
 # -- the directory (arbiter side) ---------------------------------------------------------------
 
 def prepare_directory(handover: dict[str, Any] | None, environ: Any = os.environ
-                      ) -> tuple[str, bool, int]:
-    """Where the multiprocess files go: (path, owned by us, stale files removed).
+                      ) -> tuple[str, bool, int, int]:
+    """Where the multiprocess files go: (path, owned by us, stale files removed, lock fd).
 
     After an in-place upgrade, the directory the old image used (its archive and the old
-    workers' files are still live). Otherwise the operator's ``PROMETHEUS_MULTIPROC_DIR``,
-    wiped of ``*.db`` files from an earlier run (prometheus_client requires that), or a new
-    private directory. The variable is set in our environment either way: workers and a
-    preloaded app inherit it, and prometheus_client reads it when it is first imported.
+    workers' files are still live). Otherwise the operator's ``PROMETHEUS_MULTIPROC_DIR`` or a
+    new private directory. Every user holds a shared ``flock`` on the directory's lock file
+    for as long as it runs (workers inherit it); the metric files of an earlier run are wiped
+    (prometheus_client requires that) only when nobody holds it — never under a running
+    instance, say one being replaced with ``-sf`` — and only files named as metric files.
+    The variable is set in our environment: workers and a preloaded app inherit it, and
+    prometheus_client reads it when it is first imported.
     """
+    removed = 0
     if handover is not None and handover.get("metrics_dir"):
-        path, owned, removed = handover["metrics_dir"], bool(handover.get("metrics_owned")), 0
+        path, owned = handover["metrics_dir"], bool(handover.get("metrics_owned"))
+        lock = _open_lock(path)
     elif environ.get(ENV):
         path, owned = environ[ENV], False
         os.makedirs(path, exist_ok=True)
-        stale = glob.glob(os.path.join(path, "*.db"))
-        for name in stale:
-            os.remove(name)
-        removed = len(stale)
+        lock = _open_lock(path)
+        if _alone(lock):
+            stale = [name for name in os.listdir(path) if METRIC_FILE.match(name)]
+            for name in stale:
+                os.remove(os.path.join(path, name))
+            removed = len(stale)
     else:
         sweep_orphans()
         path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
-        owned, removed = True, 0
+        owned = True
+        lock = _open_lock(path)
+    fcntl.flock(lock, fcntl.LOCK_SH)  # held for our life (and our workers')
     environ[ENV] = path
-    return path, owned, removed
+    return path, owned, removed, lock
+
+
+def _open_lock(path: str) -> int:
+    return os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+
+def _alone(lock: int) -> bool:
+    """Does nobody else use the directory? (Then we hold its lock exclusively, until the
+    caller takes it shared.)"""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _size(name: str) -> int:
@@ -106,28 +133,35 @@ def read_values(name: str) -> list[tuple[str, float, float, int]]:
 
 def sweep_orphans() -> None:
     """Remove the private directories of arbiters that died without cleaning up (SIGKILL):
-    each is named after its arbiter's pid, and only those whose pid is gone are removed."""
+    those whose lock file nobody holds any more (a lock, unlike a pid, means the same in every
+    pid namespace sharing the temp directory)."""
     for path in glob.glob(os.path.join(tempfile.gettempdir(), PREFIX + "*")):
-        pid_text = os.path.basename(path)[len(PREFIX):].split("-", 1)[0]
-        if not pid_text.isdigit():
-            continue
+        if not os.path.exists(os.path.join(path, LOCK_FILE)):
+            continue  # no lock file (yet): not ours to judge
         try:
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except PermissionError:
-            continue  # alive, someone else's
+            lock = _open_lock(path)
+        except OSError:
+            continue  # someone else's
+        try:
+            if _alone(lock):
+                shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(lock)
 
 
 class Store:
     """The arbiter's side of the directory: its own counters, the archive, the exposition."""
 
-    def __init__(self, path: str, owned: bool) -> None:
+    def __init__(self, path: str, owned: bool, lock: int) -> None:
         from prometheus_client.mmap_dict import MmapedDict
 
         self.path = path
         self.owned = owned
-        self.counters = MmapedDict(os.path.join(path, "counter_arbiter.db"))
+        self.lock = lock
+        # Named after the arbiter (an upgrade keeps the pid; an instance sharing an operator's
+        # directory has its own), with a '-' so no worker's "*_PID.db" ever matches them.
+        self.tag = f"arbiter-{os.getpid()}"
+        self.counters = MmapedDict(os.path.join(path, f"counter_{self.tag}.db"))
         self.archives: dict[str, Any] = {}  # kind -> MmapedDict
         for reason in RESTART_REASONS:
             self.add("forkserve_worker_restarts", {"reason": reason}, RESTARTS_HELP, 0)
@@ -152,7 +186,7 @@ class Store:
 
                 archive = self.archives.get(kind)
                 if archive is None:
-                    archive = MmapedDict(os.path.join(self.path, f"{kind}_archive.db"))
+                    archive = MmapedDict(os.path.join(self.path, f"{kind}_{self.tag}-archive.db"))
                     self.archives[kind] = archive
                 for key, value, _, _ in read_values(name):
                     if value:
@@ -163,18 +197,20 @@ class Store:
                 os.remove(name)  # prometheus_client's mark_process_dead()
             # Other gauge modes (all, sum, max, ...) outlive their process by definition.
 
-    def forget(self, pid: int) -> None:
-        """A process that was never a worker (the upgrade's check) wrote files: drop them."""
-        for name in glob.glob(os.path.join(self.path, f"*_{pid}.db")):
-            os.remove(name)
+    def scratch(self) -> str:
+        """A directory for a process whose metrics must not count (the upgrade's check, which
+        imports the app): below ours, where no scrape looks."""
+        path = os.path.join(self.path, "upgrade-check")
+        os.makedirs(path, exist_ok=True)
+        return path
 
     def collect(self) -> Any:
         """Every process's files, merged (prometheus_client's MultiProcessCollector, minus the
         files too new to read: a process creates its file empty and sizes it a moment later)."""
         from prometheus_client.multiprocess import MultiProcessCollector
 
-        files = [name for name in glob.glob(os.path.join(self.path, "*.db"))
-                 if _size(name) >= MIN_FILE]
+        files = [os.path.join(self.path, name) for name in os.listdir(self.path)
+                 if METRIC_FILE.match(name) and _size(os.path.join(self.path, name)) >= MIN_FILE]
         return MultiProcessCollector.merge(files, accumulate=True)
 
     def exposition(self, accept: str, collector: Any) -> tuple[bytes, str]:
@@ -194,6 +230,7 @@ class Store:
             mmapped.close()
         if self.owned:
             shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self.lock)
 
 
 # -- the worker side ----------------------------------------------------------------------------
@@ -231,7 +268,7 @@ class Recorder:
             lock = self.lock
             record = self._record
 
-            def locked(method: str, status: int, duration: float) -> None:
+            def locked(method: str, status: int, duration: float | None) -> None:
                 with lock:
                     record(method, status, duration)
             self.request = locked  # type: ignore[method-assign]
@@ -244,10 +281,11 @@ class Recorder:
         mmapped.write_value(key, 0.0, 0.0)
         return int(mmapped._positions[key])
 
-    def request(self, method: str, status: int, duration: float) -> None:
+    def request(self, method: str, status: int, duration: float | None) -> None:
         """One answered request (replaced per instance in __init__)."""
 
-    def _record(self, method: str, status: int, duration: float) -> None:
+    def _record(self, method: str, status: int, duration: float | None) -> None:
+        """``duration`` None: a request the server refused itself (counted, not timed)."""
         if method not in METHODS:
             method = "other"  # no series per made-up method
         slot = self.requests.get((method, status))
@@ -258,6 +296,8 @@ class Recorder:
         slot[0] += 1.0
         at = slot[1]
         self.counts._m[at:at + 8] = _DOUBLE(slot[0])  # _m: the file may have been remapped
+        if duration is None:
+            return
         index = bisect.bisect_left(BUCKETS, duration)
         value = self.bucket_counts[index] = self.bucket_counts[index] + 1.0
         histogram = self.histogram._m

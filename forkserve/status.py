@@ -25,8 +25,10 @@ import httptools
 from forkserve.http.response import reason_phrase
 
 MAX_HEAD = 8192  # a status request is a GET with a few headers
-MAX_CLIENTS = 64  # beyond this, new connections are closed at once (the loop stays light)
-CLIENT_TIMEOUT = 5.0  # seconds a connection may take to send its request and read the answer
+MAX_CLIENTS = 64  # beyond this, the longest-idle connection is closed to make room
+HEAD_TIMEOUT = 2.0  # seconds a new connection has to send its request head
+CLIENT_TIMEOUT = 5.0  # seconds from the request to the end of the answer
+ACCEPT_PAUSE = 0.5  # seconds the listener rests after accept() ran out of descriptors
 POLLIN, POLLOUT = select.POLLIN, select.POLLOUT
 
 Answer = tuple[int, str, bytes]  # status, content type, body
@@ -70,15 +72,28 @@ class _Client:
 
 
 class StatusServer:
-    """Accepts and answers status requests; the arbiter calls :meth:`serve` from its loop."""
+    """Accepts and answers status requests; the arbiter calls :meth:`serve` from its loop.
+
+    Nothing here may raise into the arbiter's loop: a client whose handling fails is answered
+    500 (or dropped) and the failure logged. Bounded: at most MAX_CLIENTS connections (the
+    oldest is closed to make room: a crowd of idle connections cannot lock probes out), a
+    request head must arrive within HEAD_TIMEOUT, the whole exchange within CLIENT_TIMEOUT.
+
+    The handler may answer ``None`` ("not yet": it wants fresher numbers from the workers);
+    the client then waits, without blocking the loop, until :meth:`resume` asks again.
+    """
 
     def __init__(self, sock: socket.socket, poller: Any,
-                 handler: Callable[[str, str, dict[bytes, bytes]], Answer]) -> None:
+                 handler: Callable[[str, str, dict[bytes, bytes]], Answer | None],
+                 log: Any) -> None:
         self.sock = sock
         sock.setblocking(False)
         self.poller = poller
         self.handler = handler
+        self.log = log
         self.clients: dict[int, _Client] = {}
+        self.waiting: dict[int, tuple[str, str]] = {}  # fd -> (method, path) not yet answered
+        self.accept_paused_until: float | None = None  # out of fds: accept again later
         poller.register(sock.fileno(), POLLIN)
 
     def fileno(self) -> int:
@@ -89,7 +104,10 @@ class StatusServer:
         return [self.sock.fileno(), *self.clients]
 
     def next_deadline(self) -> float | None:
-        return min((c.deadline for c in self.clients.values()), default=None)
+        deadlines = [c.deadline for c in self.clients.values()]
+        if self.accept_paused_until is not None:
+            deadlines.append(self.accept_paused_until)
+        return min(deadlines, default=None)
 
     def serve(self, ready: list[tuple[int, int]], now: float) -> None:
         listen_fd = self.sock.fileno()
@@ -98,13 +116,21 @@ class StatusServer:
                 self._accept(now)
             elif fd in self.clients:
                 client = self.clients[fd]
-                if client.out:
-                    self._send(fd, client)
-                else:
-                    self._read(fd, client)
+                try:
+                    if client.out:
+                        self._send(fd, client)
+                    elif fd not in self.waiting:
+                        self._read(fd, client)
+                except Exception as exc:  # never into the arbiter's loop
+                    self.log.exception("Status server: a request failed", exc)
+                    if fd in self.clients:
+                        self._drop(fd)
         for fd, client in list(self.clients.items()):
             if now >= client.deadline:
                 self._drop(fd)
+        if self.accept_paused_until is not None and now >= self.accept_paused_until:
+            self.accept_paused_until = None
+            self.poller.register(listen_fd, POLLIN)
 
     def _accept(self, now: float) -> None:
         while True:
@@ -113,14 +139,24 @@ class StatusServer:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ECONNABORTED):
-                    return
-                raise
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of descriptors or memory: the listener stays readable, so stop
+                    # polling it for a moment rather than spin.
+                    self.log.warning("Status server: accept() failed; pausing it",
+                                     error=exc.strerror)
+                    self.poller.unregister(self.sock.fileno())
+                    self.accept_paused_until = now + ACCEPT_PAUSE
+                return  # anything else (ECONNABORTED, a network error): that client only
             if len(self.clients) >= MAX_CLIENTS:
-                conn.close()
-                continue
+                # Make room by closing the connection that has been idle longest (the one
+                # with the earliest deadline that has not sent a whole request).
+                idle = [fd for fd, c in self.clients.items() if not c.complete]
+                if not idle:
+                    conn.close()
+                    continue
+                self._drop(min(idle, key=lambda fd: self.clients[fd].deadline))
             conn.setblocking(False)
-            client = _Client(conn, now + CLIENT_TIMEOUT)
+            client = _Client(conn, now + HEAD_TIMEOUT)
             client.parser = httptools.HttpRequestParser(client)
             self.clients[conn.fileno()] = client
             self.poller.register(conn.fileno(), POLLIN)
@@ -148,14 +184,43 @@ class StatusServer:
             if not client.complete:
                 self._answer(fd, client, _text(400, "bad request\n"), head_only=False)
                 return
-        if client.complete:
-            method = client.method
+        if not client.complete:
+            return
+        client.deadline = max(client.deadline, time.monotonic() + CLIENT_TIMEOUT)
+        method = client.method
+        try:
             path = httptools.parse_url(client.url).path.decode("latin-1") if client.url else "/"
-            if method not in ("GET", "HEAD"):
-                answer = _text(405, "only GET and HEAD\n")
-            else:
-                answer = self.handler(method, path, client.headers)
-            self._answer(fd, client, answer, head_only=method == "HEAD")
+        except httptools.HttpParserError:  # llhttp takes targets parse_url refuses
+            self._answer(fd, client, _text(400, "bad request target\n"), head_only=False)
+            return
+        if method not in ("GET", "HEAD"):
+            self._answer(fd, client, _text(405, "only GET and HEAD\n"), head_only=False)
+            return
+        self._ask(fd, client, method, path)
+
+    def _ask(self, fd: int, client: _Client, method: str, path: str) -> None:
+        answer = self.handler(method, path, client.headers)
+        if answer is None:
+            if fd not in self.waiting:
+                self.waiting[fd] = (method, path)
+                self.poller.modify(fd, 0)  # nothing to read meanwhile (a close shows as POLLHUP)
+            return
+        self.waiting.pop(fd, None)
+        self._answer(fd, client, answer, head_only=method == "HEAD")
+
+    def resume(self) -> None:
+        """Fresh numbers arrived: answer the requests that waited for them."""
+        for fd, (method, path) in list(self.waiting.items()):
+            client = self.clients.get(fd)
+            if client is None:
+                self.waiting.pop(fd)
+                continue
+            try:
+                self._ask(fd, client, method, path)
+            except Exception as exc:  # never into the arbiter's loop
+                self.log.exception("Status server: a request failed", exc)
+                if fd in self.clients:
+                    self._drop(fd)
 
     def _answer(self, fd: int, client: _Client, answer: Answer, head_only: bool) -> None:
         status, content_type, body = answer
@@ -181,6 +246,7 @@ class StatusServer:
 
     def _drop(self, fd: int) -> None:
         client = self.clients.pop(fd)
+        self.waiting.pop(fd, None)
         self.poller.unregister(fd)
         client.sock.close()
 
@@ -192,10 +258,11 @@ class StatusServer:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
+            self.resume()
             poller = select.poll()
             for fd, client in self.clients.items():
-                poller.register(fd, POLLOUT if client.out else POLLIN)
-            self.serve(poller.poll(remaining * 1000.0), time.monotonic())
+                poller.register(fd, POLLOUT if client.out else 0 if fd in self.waiting else POLLIN)
+            self.serve(poller.poll(min(remaining, 0.05) * 1000.0), time.monotonic())
         for fd in list(self.clients):
             self._drop(fd)
 
@@ -203,7 +270,8 @@ class StatusServer:
         for fd in list(self.clients):
             self._drop(fd)
         if self.sock.fileno() >= 0:
-            self.poller.unregister(self.sock.fileno())
+            if self.accept_paused_until is None:
+                self.poller.unregister(self.sock.fileno())
             self.sock.close()
 
 

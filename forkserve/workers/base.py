@@ -182,7 +182,12 @@ class Worker:
         if self.settings.metrics_dir:
             from forkserve.metrics import Recorder
 
-            self.metrics = Recorder(self.settings.metrics_dir, os.getpid(), self.multithread)
+            try:
+                self.metrics = Recorder(self.settings.metrics_dir, os.getpid(), self.multithread)
+            except OSError as exc:
+                # Metrics are an extra: a worker that cannot record them still serves.
+                self.log.error("Worker cannot record metrics; serving without them",
+                               worker=self.worker_id, error=str(exc))
         self.pool = BackgroundPool(self.settings.background_threads, self.counters, self.log,
                                    self._pool_changed, self.spans)
 

@@ -292,7 +292,7 @@ class SyncWorker(Worker):
         except ClientGone:
             return
         if self.metrics is not None:
-            self.metrics.request("-", status, 0.0)
+            self.metrics.request("-", status, None)  # refused: counted, not timed
         if self.access_log is not None:
             now = time.time()
             self.access_log.request(conn.remote[0], "-", "-", "-", status, 0, None, None, now, 0.0,
