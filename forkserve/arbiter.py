@@ -31,7 +31,7 @@ from forkserve.logs import Log
 from forkserve.metrics import ENV as METRICS_ENV
 from forkserve.metrics import RELOADS_HELP, RESTARTS_HELP
 from forkserve.sockets import BindError, Listener, bind
-from forkserve.status import ArbiterCollector, Answer, StatusServer, rss_bytes
+from forkserve.status import ArbiterCollector, Answer, StatusServer, bind_status, rss_bytes
 from forkserve.workers import worker_class
 from forkserve.workers.base import WorkerSettings
 
@@ -101,6 +101,7 @@ class Arbiter:
     upgrading_from: int | None = None  # the old image's generation, until its workers are gone
     paused: bool = False
     paused_addresses: list[str] = field(default_factory=list)
+    paused_status: str = ""  # the status server's address while paused (TTOU)
     notifier: Any = None  # forkserve.systemd.Notifier, when systemd is listening
     next_watchdog: float | None = None  # next WATCHDOG=1, when systemd asks for them
     fresh: set[int] | None = None  # workers heard from since numbers_fresh() asked
@@ -420,6 +421,8 @@ class Arbiter:
         for listener in self.listeners:
             listener.close(unlink=False)
         self.listeners = []
+        if self.status_server is not None and self.status_server.sock.fileno() >= 0:
+            self.paused_status = self.status_server.stop_listening()
         # Workers serve what is queued, then close their copies: the port is then free.
         self.signal_workers(signal.SIGTTOU, list(self.workers.values()))
         self.log.info("Paused: not listening", addresses=",".join(self.paused_addresses))
@@ -433,6 +436,13 @@ class Arbiter:
             self.log.error(f"Resume failed, still paused: {exc}")
             return
         self.paused = False
+        if self.status_server is not None and self.paused_status:
+            try:
+                self.status_server.listen(bind_status(self.paused_status, self.config.reuse_port))
+            except OSError as exc:
+                self.log.error("Resume: cannot bind the status server again; serving without it",
+                               status_bind=self.paused_status, error=exc.strerror)
+            self.paused_status = ""
         self.log.info("Resumed: listening again", listening=",".join(l.name() for l in self.listeners))
         # The workers closed their listeners; a new generation gets the new ones.
         self.start_generation("Resume")

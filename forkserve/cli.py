@@ -7,6 +7,7 @@ broken deploy from a crash), 3 when workers die while booting, 1 for anything el
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -118,8 +119,7 @@ def _serve(config: Config, cli: dict[str, Any], args: list[str], start_cwd: str,
             log.error(f"Application could not be loaded: {exc}")
             return ExitCode.APP_LOAD_ERROR
     try:
-        listeners = open_listeners(config, handover, log)
-        status_sock = open_status(config, handover, log)
+        listeners, status_sock = open_sockets(config, handover, log)
     except (BindError, ControlError) as exc:
         log.error(str(exc))
         return ExitCode.ERROR
@@ -172,17 +172,45 @@ def open_listeners(config: Config, handover: dict[str, Any] | None, log: Log) ->
         log.info("Took the listening sockets over from the running instance",
                  control_socket=config.takeover, listening=",".join(a for _, a in received))
         return bind(config.bind, config.backlog, config.reuse_port, inherited)
-    try:
-        return bind(config.bind, config.backlog, config.reuse_port)
-    except AddressInUse as exc:
-        predecessors = config.soft_stop + config.hard_stop
-        if not predecessors:
-            raise
-        return _bind_after_pausing(config, predecessors, exc, log)
+    return bind(config.bind, config.backlog, config.reuse_port)
+
+
+def open_sockets(config: Config, handover: dict[str, Any] | None, log: Log
+                 ) -> tuple[list[Listener], socket.socket | None]:
+    """The listeners and the status server's socket. When a port is taken and we replace
+    running instances (-sf/-st), HAProxy's fallback: ask them to stop listening (TTOU, which
+    frees their status port too), retry for a moment, and if a port is still taken ask them
+    to listen again (TTIN) and give up."""
+    predecessors = [] if handover is not None else config.soft_stop + config.hard_stop
+    listeners: list[Listener] | None = None
+    status: socket.socket | None = None
+    deadline: float | None = None
+    while True:
+        try:
+            if listeners is None:
+                listeners = open_listeners(config, handover, log)
+            status = open_status(config, handover, log)
+            return listeners, status
+        except AddressInUse as exc:
+            if predecessors and deadline is None:
+                log.warning("Address in use; asking the old instance(s) to pause listening",
+                            pids=",".join(map(str, predecessors)), error=str(exc))
+                _signal_all(predecessors, signal.SIGTTOU)
+                deadline = time.monotonic() + PAUSE_WAIT
+            elif not predecessors or time.monotonic() >= deadline:  # type: ignore[operator]
+                for listener in listeners or []:
+                    listener.close(unlink=True)
+                if not predecessors:
+                    raise
+                _signal_all(predecessors, signal.SIGTTIN)
+                raise BindError(f"{exc}; the old instance(s) were asked to resume listening") from None
+            time.sleep(0.05)  # a bounded retry against another process, not a test wait
 
 
 def open_status(config: Config, handover: dict[str, Any] | None, log: Log) -> socket.socket | None:
-    """The status server's listener: the one an in-place upgrade handed over, or bound now."""
+    """The status server's listener: the one an in-place upgrade handed over, or bound now.
+    After an upgrade, a status port that cannot be bound is logged, not fatal: the old
+    image's workers are serving and must not be taken down for it."""
     inherited = handover.get("status_fd") if handover else None
     if inherited is not None:
         sock = socket.socket(fileno=inherited)
@@ -197,34 +225,19 @@ def open_status(config: Config, handover: dict[str, Any] | None, log: Log) -> so
     from forkserve.status import bind_status, is_loopback
 
     try:
-        sock = bind_status(config.status_bind)
+        sock = bind_status(config.status_bind, config.reuse_port)
     except OSError as exc:
-        raise BindError(f"cannot bind the status server to {config.status_bind}: "
-                        f"{exc.strerror}") from None
+        message = f"cannot bind the status server to {config.status_bind}: {exc.strerror}"
+        if handover is not None:
+            log.error(f"{message}; serving without it")
+            return None
+        raise (AddressInUse if exc.errno == errno.EADDRINUSE else BindError)(message) from None
     host = config.status_bind.rpartition(":")[0]
     if not is_loopback(host):
         log.warning("The status server listens beyond this host: /status and /metrics show "
                     "internals; bind it to 127.0.0.1 or firewall it", status_bind=config.status_bind)
     log.info("Status server listening", status_bind=_describe(sock, config.status_bind))
     return sock
-
-
-def _bind_after_pausing(config: Config, pids: list[int], first: AddressInUse,
-                        log: Log) -> list[Listener]:
-    """HAProxy's fallback: ask the old instances to stop listening (TTOU), retry for a moment,
-    and if the port is still taken ask them to listen again (TTIN) and give up."""
-    log.warning("Address in use; asking the old instance(s) to pause listening",
-                pids=",".join(map(str, pids)), error=str(first))
-    _signal_all(pids, signal.SIGTTOU)
-    deadline = time.monotonic() + PAUSE_WAIT
-    while True:
-        try:
-            return bind(config.bind, config.backlog, config.reuse_port)
-        except AddressInUse as exc:
-            if time.monotonic() >= deadline:
-                _signal_all(pids, signal.SIGTTIN)
-                raise BindError(f"{exc}; the old instance(s) were asked to resume listening") from None
-            time.sleep(0.05)  # a bounded retry against another process, not a test wait
 
 
 def _signal_all(pids: list[int], signum: int) -> None:

@@ -266,6 +266,23 @@ class StatusServer:
         for fd in list(self.clients):
             self._drop(fd)
 
+    def stop_listening(self) -> str:
+        """TTOU (pause): free the port for a successor; connections in progress finish.
+        Returns the address, to bind again on TTIN."""
+        address = self.sock.getsockname()
+        if self.accept_paused_until is None:
+            self.poller.unregister(self.sock.fileno())
+        self.accept_paused_until = None
+        self.sock.close()
+        host = f"[{address[0]}]" if ":" in address[0] else address[0]
+        return f"{host}:{address[1]}"
+
+    def listen(self, sock: socket.socket) -> None:
+        """TTIN (resume): a listener bound again."""
+        self.sock = sock
+        sock.setblocking(False)
+        self.poller.register(sock.fileno(), POLLIN)
+
     def close(self) -> None:
         for fd in list(self.clients):
             self._drop(fd)
@@ -279,16 +296,18 @@ def _text(status: int, body: str) -> Answer:
     return status, "text/plain; charset=utf-8", body.encode()
 
 
-def bind_status(address: str) -> socket.socket:
-    """The status listener. SO_REUSEPORT, so a successor started with -sf can bind it while
-    this instance drains (both answer until this one stops)."""
+def bind_status(address: str, reuse_port: bool) -> socket.socket:
+    """The status listener. With ``reuse_port`` (--reuse-port), SO_REUSEPORT as the other
+    listeners: a successor started with it too binds the port while this instance drains,
+    and both answer until this one stops."""
     host, _, port = address.rpartition(":")
     host = host.strip("[]") or "0.0.0.0"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.set_inheritable(False)
         sock.bind((host, int(port)))
         sock.listen(128)

@@ -74,6 +74,8 @@ def _bytes(count: int) -> str:
     return f"{size:.1f}G"
 
 
+GONE_AFTER = 1.0  # seconds a server must stay unreachable to count as stopped
+
 COLUMNS = ("PID", "WORKER", "GEN", "STATE", "AGE", "REQUESTS", "IN FLIGHT", "CONNS", "BG", "RSS",
            "HEARTBEAT")
 
@@ -130,6 +132,7 @@ def main(argv: Sequence[str]) -> int:
     out = sys.stdout
     clear = "\x1b[H\x1b[2J" if out.isatty() else ""
     seen = False
+    gone_since: float | None = None
     try:
         while True:
             try:
@@ -139,9 +142,16 @@ def main(argv: Sequence[str]) -> int:
                     sys.stderr.write(f"forkserve status: {exc}\n")
                     return 1
                 if exc.gone:
-                    out.write("forkserve has stopped\n")
-                    out.flush()
-                    return 0
+                    # Gone for good, or re-executing in place (USR2 re-creates the control
+                    # socket): only a server absent for GONE_AFTER has stopped.
+                    now = time.monotonic()
+                    gone_since = now if gone_since is None else gone_since
+                    if now - gone_since >= GONE_AFTER:
+                        out.write("forkserve has stopped\n")
+                        out.flush()
+                        return 0
+                    time.sleep(min(args.interval, 0.1))
+                    continue
                 # Alive but not answering (stopped, swamped): say so and keep watching.
                 out.write(clear + time.strftime("%H:%M:%S  ") + f"no answer: {exc}\n"
                           + ("" if clear else "\n"))
@@ -149,6 +159,7 @@ def main(argv: Sequence[str]) -> int:
                 time.sleep(args.interval)
                 continue
             seen = True
+            gone_since = None
             text = json.dumps(snapshot, indent=2) + "\n" if args.json else render(snapshot)
             if args.watch:
                 text = clear + time.strftime("%H:%M:%S  ") + text + ("" if clear else "\n")

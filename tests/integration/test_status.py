@@ -665,14 +665,16 @@ def test_readyz_fails_while_a_reload_generation_boots(server_factory: Any, gates
     assert new != old and int(get(server.port, "/pid").body) == new
 
 
-def test_readyz_fails_while_paused(server_factory: Any) -> None:
+def test_pause_frees_the_status_port_and_resume_takes_it_back(server_factory: Any) -> None:
+    """TTOU is the handoff's "let the successor bind": the status port is freed with the
+    others (a successor binds it; nothing answers ready meanwhile), TTIN binds it again."""
     server = server_factory(*STATUS).wait_ready()
+    port = server.status_port
     server.signal(signal.SIGTTOU)
     server.wait_log("Paused: not listening")
-    assert answer(server, "/readyz", 503) == {"ready": False, "state": "paused", "generation": 1,
-                                              "reloading": False}
-    snap = status(server)
-    assert snap["paused"] is True and snap["ready"] is False, snap
+    assert refused(port)
+    with socket.socket() as successor:  # what a successor started with -sf would do
+        successor.bind(("127.0.0.1", port))
     server.signal(signal.SIGTTIN)
     server.wait_log("Resumed: listening again")
     code, body = wait_for(lambda: (r := readyz(server))[0] == 200 and r, 10,
