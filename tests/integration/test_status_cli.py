@@ -416,6 +416,28 @@ def test_watch_outlasts_a_server_that_does_not_answer_for_a_while(server_factory
         assert watch.out.endswith(STOPPED)
 
 
+def test_watch_follows_an_in_place_upgrade(server_factory: Any, ctl_dir: Path,
+                                           watchers: Any) -> None:
+    """USR2 re-executes the arbiter, which closes and re-creates its control socket: a moment
+    without it is an upgrade, not a stop. Both watchers see generation 2 and go on."""
+    server, path = start(server_factory, ctl_dir)
+    watches = [watchers(*where(server, path, via), "--interval", "0.1")
+               for via in ("url", "control-socket")]
+    for watch in watches:
+        watch.wait_frame(lambda f: f.header["generation"] == "1", "generation 1")
+    server.signal(signal.SIGUSR2)
+    server.wait_log("Upgrade complete", timeout=30)
+    for watch in watches:
+        watch.wait_frame(lambda f: f.header["generation"] == "2"
+                         and f.header["pid"] == str(server.pid), "generation 2, same pid")
+        assert watch.proc.poll() is None and STOPPED not in watch.out, watch.out
+    server.signal(signal.SIGTERM)
+    assert server.wait_exit(15) == 0
+    for watch in watches:
+        assert watch.wait(15) == 0, watch.err
+        assert watch.out.endswith(STOPPED)
+
+
 # -- failures -----------------------------------------------------------------------------------
 
 def one_line_error(done: subprocess.CompletedProcess[str]) -> None:
