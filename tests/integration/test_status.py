@@ -5,7 +5,9 @@ Real signals, port 0 for the main listener and for the status listener. Requests
 flight on FIFO gates (``/block?fifo=`` of tests.apps, ``/held`` and ``/background`` of
 tests.apps_drain), workers are held booting on a FIFO opened by their import
 (tests.slow_boot_app, tests.apps_status), and every wait is a deadline-bounded ``wait_for`` or
-log wait. The one wait for time itself is the lameduck period, where time is the point.
+log wait. The waits for time itself are the lameduck period and the status server's head
+timeout, where time is the point, and a worker held in one C call of a calibrated length
+(``/spin`` of tests.apps_status): a FIFO cannot hold a worker where no signal handler runs.
 
 Every status request goes on a fresh connection that does not ask for ``Connection: close``:
 :func:`fetch` reads until the server closes, so an answer that leaves the connection open fails.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -27,6 +30,7 @@ from typing import Any
 import pytest
 
 import forkserve
+from forkserve.status import HEAD_TIMEOUT, MAX_CLIENTS
 from tests.harness import (ROOT, Response, Server, get, open_fds, parse_head, read_response,
                            refused, send_get, wait_for, worker_set)
 
@@ -681,3 +685,259 @@ def test_pause_frees_the_status_port_and_resume_takes_it_back(server_factory: An
                           "/readyz to pass once the resumed generation booted")
     assert body == {"ready": True, "state": "running", "generation": 2, "reloading": False}
     assert get(server.port, "/").status == 200
+
+
+# -- 11. hardening: nothing a client sends, or does not send, stops the arbiter -------------------
+
+def test_targets_the_url_parser_refuses_are_400_and_the_arbiter_lives(server_factory: Any) -> None:
+    """llhttp takes these request targets whole (``h:80`` aside: llhttp refuses it itself),
+    httptools.parse_url does not: each is a 400, and nothing reaches the arbiter's loop."""
+    server = server_factory(*STATUS).wait_ready()
+    port = server.status_port
+    for target in (b"http://h:70000/", b"h:80", b"http:///x", b"http://h:99999999/status"):
+        response = exchange(port, b"GET " + target + b" HTTP/1.1\r\nHost: s\r\n\r\n")
+        assert response.status == 400, (target, response.status, response.body)
+        assert server.proc.poll() is None, f"the arbiter died on {target!r}\n{server.log_text()}"
+    assert answer(server, "/healthz") == {"status": "alive", "state": "running"}
+    assert answer(server, "/readyz")["ready"] is True
+    assert get(server.port, "/").body == b"hello\n"
+    assert errors(server) == [], server.log_text()
+
+
+def eof_times(socks: list[socket.socket], timeout: float) -> dict[int, float]:
+    """When (monotonic, as seen here) the server closed each of ``socks``, by index, waiting up
+    to ``timeout`` for them all (0: only what is closed already). Data instead of a close
+    fails: these connections never sent a request."""
+    deadline = time.monotonic() + timeout
+    pending = dict(enumerate(socks))
+    seen: dict[int, float] = {}
+    while pending:
+        remaining = max(deadline - time.monotonic(), 0.0)
+        readable, _, _ = select.select(list(pending.values()), [], [], remaining)
+        now = time.monotonic()
+        for sock in readable:
+            index = next(i for i, s in pending.items() if s is sock)
+            try:
+                data = sock.recv(1024)
+            except ConnectionResetError:
+                data = b""
+            assert data == b"", f"a silent connection was sent {data!r}"
+            seen[index] = now
+            del pending[index]
+        if remaining == 0.0:
+            break
+    return seen
+
+
+def test_idle_connections_cannot_lock_the_status_server_out(server_factory: Any) -> None:
+    """70 connections that never send a byte, for 64 places: the longest idle are closed to
+    make room, so /healthz is answered at once; the others are closed at the head timeout."""
+    server = server_factory(*STATUS).wait_ready()
+    port = server.status_port
+    count = MAX_CLIENTS + 6
+    idle: list[socket.socket] = []
+    try:
+        started = time.monotonic()
+        for _ in range(count):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        asked = time.monotonic()
+        assert asked - started < 1.0, \
+            "opening the connections took over 1 s: the test proves nothing"
+        response = fetch(port, "/healthz", timeout=1.0)
+        assert response.status == 200 and json.loads(response.body)["status"] == "alive"
+        assert time.monotonic() - asked < 1.0
+
+        # One place each for the 70 and /healthz: the 7 oldest were closed to make room. A
+        # connection is accepted after ``started``, so a close before started + HEAD_TIMEOUT
+        # cannot be the head timeout: it is the making of room.
+        evicted = count + 1 - MAX_CLIENTS
+        closed = eof_times(idle, started + HEAD_TIMEOUT + 3.0 - time.monotonic())
+        assert len(closed) == count, f"still open 5 s after they were opened: " \
+            f"{sorted(set(range(count)) - set(closed))}"
+        early = sorted(i for i, when in closed.items() if when < started + HEAD_TIMEOUT)
+        assert early == list(range(evicted)), early
+        # The rest: closed by the head timeout (2 s after the accept), within 5 s.
+        late = [closed[i] - started for i in range(evicted, count)]
+        assert min(late) >= HEAD_TIMEOUT and max(late) < 5.0, (min(late), max(late))
+    finally:
+        for sock in idle:
+            sock.close()
+    assert answer(server, "/healthz", timeout=1.0)["state"] == "running"
+    assert errors(server) == [], server.log_text()
+
+
+# -- 12. a worker that cannot answer SIGWINCH does not hold up the loop --------------------------
+
+def timed_fetch(port: int, path: str, barrier: threading.Barrier,
+                results: list[tuple[str, float, float, Response | BaseException]]) -> None:
+    barrier.wait(10)
+    began = time.monotonic()
+    try:
+        outcome: Response | BaseException = fetch(port, path, timeout=5.0)
+    except (OSError, AssertionError) as exc:
+        outcome = exc
+    results.append((path, began, time.monotonic(), outcome))
+
+
+def test_status_and_metrics_do_not_wait_for_a_worker_stuck_in_c(server_factory: Any,
+                                                                 tmp_path: Path) -> None:
+    """The one sync worker is inside a 2.5 s C call: SIGWINCH's Python handler cannot run, so
+    its numbers never come. 20 /metrics share one 0.1 s wait for them, /healthz waits for
+    nothing, and all are answered long before the call ends."""
+    server = server_factory(*STATUS, app="tests.apps_status:app", workers=1).wait_ready()
+    (busy,) = worker_set(server, 1)
+    marker = tmp_path / "spinning"
+    results: list[tuple[str, float, float, Response | BaseException]] = []
+    with send_get(server.port, f"/spin?seconds=2.5&marker={marker}", timeout=20) as spin:
+        wait_for(marker.exists, 10, "the worker to start its long C call")
+        paths = ["/healthz"] + ["/metrics"] * 20
+        barrier = threading.Barrier(len(paths))
+        threads = [threading.Thread(target=timed_fetch, args=(server.status_port, path, barrier,
+                                                              results), daemon=True)
+                   for path in paths]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert not [t for t in threads if t.is_alive()], "a status request is stuck"
+        snap = status(server, timeout=2.0)
+        asked_last = time.monotonic()
+        call = json.loads(read_response(spin, timeout=20).body)
+
+    assert len(results) == len(paths)
+    failed = [(path, outcome) for path, _, _, outcome in results
+              if not isinstance(outcome, Response) or outcome.status != 200]
+    assert not failed, failed
+    took: dict[str, list[float]] = {path: [] for path in paths}
+    for path, began, ended, outcome in results:
+        took[path].append(ended - began)
+        if path == "/metrics":
+            assert isinstance(outcome, Response) and f'pid="{busy}"'.encode() in outcome.body
+    assert took["/healthz"][0] < 0.5, took["/healthz"]
+    assert max(took["/metrics"]) < 2.0, sorted(took["/metrics"])
+    # Every answer came while the worker was still inside the call: nobody waited for it.
+    assert max(ended for _, _, ended, _ in results) < asked_last < call["end"], (call, asked_last)
+    assert call["end"] - call["start"] > 1.0, call  # a call that short proves little
+    assert [(w["pid"], w["state"], w["booted"]) for w in snap["workers"]] == \
+        [(busy, "running", True)], snap
+    assert get(server.port, "/pid").body == str(busy).encode()  # the worker lives on
+    assert errors(server) == [], server.log_text()
+
+
+# -- 13. readiness needs a worker of the generation up -------------------------------------------
+
+def test_readyz_fails_while_no_worker_can_boot(server_factory: Any, tmp_path: Path) -> None:
+    """The one worker is killed and its replacements cannot import the app: retried with
+    back-off, the instance is alive (/healthz) but not ready until a worker boots again."""
+    refuse = tmp_path / "refuse"  # absent: the first worker boots
+    server = server_factory(*STATUS, app="tests.apps_status:app", workers=1,
+                            env={"STATUS_REFUSE_FILE": str(refuse)}).wait_ready()
+    (old,) = worker_set(server, 1)
+    assert answer(server, "/readyz")["ready"] is True
+    refuse.touch()  # from now on a worker's import fails
+    os.kill(old, signal.SIGKILL)
+    first = server.wait_log("failed to boot")
+    assert "retrying in 0.5s" in first["message"], first
+
+    def unready() -> None:
+        assert answer(server, "/readyz", 503) == {"ready": False, "state": "running",
+                                                  "generation": 1, "reloading": False}
+        assert answer(server, "/healthz") == {"status": "alive", "state": "running"}
+        snap = status(server)
+        assert snap["state"] == "running" and snap["ready"] is False, snap
+        assert not [w for w in snap["workers"] if w["booted"]], snap
+
+    unready()
+    # Retried, slower: still failing, still not ready.
+    wait_for(lambda: server.count_log("failed to boot") >= 2, 10, "a second boot failure")
+    second = [r for r in server.records() if "failed to boot" in r.get("message", "")][1]
+    assert "retrying in 1s" in second["message"], second
+    unready()
+    assert server.proc.poll() is None
+
+    refuse.unlink()
+    wait_for(lambda: readyz(server)[0] == 200, 10, "/readyz to pass once a worker booted")
+    assert answer(server, "/readyz") == {"ready": True, "state": "running", "generation": 1,
+                                         "reloading": False}
+    (new,) = worker_set(server, 1)
+    assert new != old and get(server.port, "/pid").body == str(new).encode()
+    assert server.count_log("Server ready") == 1
+
+
+# -- 14. -sf handoff on the same status port ------------------------------------------------------
+
+def test_sf_handoff_moves_the_status_port_to_the_successor(server_factory: Any,
+                                                           gates: Any) -> None:
+    """No --reuse-port: B cannot bind A's ports, asks A to pause (TTOU frees the main and the
+    status port), binds both and serves; the status port answers for B while A, holding a
+    request, drains; A then exits 0."""
+    old = server_factory(*STATUS).wait_ready()
+    status_port = old.status_port
+    gate = gates()
+    with send_get(old.port, gate.route) as held:
+        gate.wait_entered()
+        new = server_factory("tests.apps:app", "--status-bind", f"127.0.0.1:{status_port}",
+                             "-sf", str(old.pid), app="", bind=f"127.0.0.1:{old.port}")
+        new.wait_log("Address in use; asking the old instance(s) to pause listening",
+                     pids=str(old.pid))
+        old.wait_log("Paused: not listening")
+        new.wait_ready()
+        assert new.status_port == status_port
+        old.wait_log("Received shutdown signal")
+        # A drains (the held request), and the status port is B's.
+        assert old.proc.poll() is None, "the old instance exited: the check proves nothing"
+        assert answer(new, "/readyz") == {"ready": True, "state": "running", "generation": 1,
+                                          "reloading": False}
+        # One listener on the status port, B's: A let go of it (not shared by SO_REUSEPORT).
+        inode = listener_inode(status_port)
+        assert inode in socket_inodes(new.pid) and inode not in socket_inodes(old.pid)
+        for _ in range(10):  # fresh connections: any one could have gone to a shared port
+            snap = status(new)
+            assert snap["pid"] == new.pid, snap
+        assert {w["pid"] for w in snap["workers"]} == set(worker_set(new, 2))
+        assert old.proc.poll() is None, "the old instance exited: the check proves nothing"
+        gate.release()
+        response = read_response(held)
+        assert response.status == 200 and response.body == b"released"
+    assert exit_code(old, 20) == 0
+    assert errors(old) == [], old.log_text()
+    assert int(get(new.port, "/pid").body) in set(new.workers())
+    assert answer(new, "/status")["pid"] == new.pid
+    assert errors(new) == [], new.log_text()
+
+
+# -- 15. USR2 with a status port that cannot be bound --------------------------------------------
+
+def test_usr2_to_a_taken_status_port_upgrades_without_the_status_server(server_factory: Any,
+                                                                        tmp_path: Path) -> None:
+    """The new configuration's status port is taken: the upgrade goes through without the
+    status server (logged), rather than take the serving instance down."""
+    config = tmp_path / "forkserve.yaml"
+    config.write_text("status_bind: 127.0.0.1:0\n")
+    server = server_factory("-c", str(config)).wait_ready()
+    old_status = server.status_port
+    assert answer(server, "/readyz")["generation"] == 1
+    old = worker_set(server, 2)
+    with socket.socket() as taken:  # no SO_REUSEPORT: nobody else can bind it
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config.write_text(f"status_bind: 127.0.0.1:{port}\n")
+        server.signal(signal.SIGUSR2)
+        record = server.wait_log("cannot bind the status server", timeout=20)
+        assert record["level"] == "ERROR", record
+        assert f"127.0.0.1:{port}" in record["message"] and "serving without it" in \
+            record["message"], record
+        server.wait_log("Upgrade complete", timeout=20, generation=2)
+        assert server.proc.poll() is None, "the arbiter's process exited: not an in-place upgrade"
+        assert server.count_log("Upgrade: re-executing") == 1
+        assert server.wait_log("Upgrade: re-executing")["pid"] == server.pid
+        server.wait_log("Server ready", generation=2)
+        new = set(wait_for(lambda: (w := set(server.workers())) and len(w) == 2 and not w & old
+                           and w, 15, f"the old workers {old} to be replaced"))
+        assert int(get(server.port, "/pid").body) in new
+        assert refused(old_status), "the old status port still answers after it was changed"
+        assert server.count_log("Status server listening") == 1, server.log_text()
+    assert server.proc.poll() is None
+    server.signal(signal.SIGTERM)
+    assert exit_code(server, 10) == 0
