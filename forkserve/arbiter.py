@@ -336,7 +336,13 @@ class Arbiter:
         self.log.info("Upgrade requested: checking the new configuration and application")
         env = dict(os.environ)
         if self.metrics is not None:
-            env[METRICS_ENV] = self.metrics.scratch()  # the check's app import must not count
+            try:
+                env[METRICS_ENV] = self.metrics.scratch()  # the check's app import must not count
+            except OSError as exc:
+                self.log.error(f"Upgrade aborted, still serving: the metrics directory is not "
+                               f"usable: {exc}")
+                self.count_reload("failed")
+                return
         self.upgrade_check = subprocess.Popen(
             [sys.executable, "-m", "forkserve", "--check", *self.argv], cwd=self.cwd or None,
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -345,6 +351,8 @@ class Arbiter:
         check, self.upgrade_check = self.upgrade_check, None
         assert check is not None
         check.returncode = os.waitstatus_to_exitcode(status)  # reaped by our loop, not by Popen
+        if self.metrics is not None:
+            self.metrics.drop_scratch()
         error = check.stderr.read().decode("utf-8", "replace").strip() if check.stderr else ""
         if check.stderr is not None:
             check.stderr.close()

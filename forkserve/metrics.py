@@ -54,6 +54,7 @@ ARCHIVED = ("counter", "histogram", "summary")
 MIN_FILE = 8  # bytes: the header (used length + padding) of a file that can be read
 METRIC_FILE = re.compile(r"(counter|gauge|histogram|summary)_[^/]*\.db\Z")  # nothing else is touched
 LOCK_FILE = ".forkserve.lock"
+SCRATCH = "upgrade-check"
 
 
 def counter_key(name: str, labels: dict[str, str], help_text: str) -> str:
@@ -94,7 +95,11 @@ def prepare_directory(handover: dict[str, Any] | None, environ: Any = os.environ
         sweep_orphans()
         path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
         owned = True
-        lock = _open_lock(path)
+        # Locked before it has its name: a sweep starting now must never find it unheld.
+        pending = os.path.join(path, LOCK_FILE + ".new")
+        lock = os.open(pending, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        os.rename(pending, os.path.join(path, LOCK_FILE))
     fcntl.flock(lock, fcntl.LOCK_SH)  # held for our life (and our workers')
     environ[ENV] = path
     return path, owned, removed, lock
@@ -199,10 +204,13 @@ class Store:
 
     def scratch(self) -> str:
         """A directory for a process whose metrics must not count (the upgrade's check, which
-        imports the app): below ours, where no scrape looks."""
-        path = os.path.join(self.path, "upgrade-check")
+        imports the app): below ours, where no scrape looks. Raises OSError."""
+        path = os.path.join(self.path, SCRATCH)
         os.makedirs(path, exist_ok=True)
         return path
+
+    def drop_scratch(self) -> None:
+        shutil.rmtree(os.path.join(self.path, SCRATCH), ignore_errors=True)
 
     def collect(self) -> Any:
         """Every process's files, merged (prometheus_client's MultiProcessCollector, minus the

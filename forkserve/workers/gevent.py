@@ -25,12 +25,10 @@ import time
 from typing import Any
 
 from forkserve.context import RequestCancelled
-from forkserve.http.response import simple_response
 from forkserve.sockets import Listener
 from forkserve.workers.base import HardStop, WorkerState, drain_pipe
 from forkserve.workers.connection import Abandoned, Connection
 from forkserve.workers.sync import NEW_CONNECTION_GRACE, SyncWorker
-from forkserve.wsgi import ClientGone
 
 RUNNING = WorkerState.RUNNING
 
@@ -139,12 +137,7 @@ class GeventWorker(SyncWorker):
                 sock, _ = listener.sock.accept()
             except OSError:
                 return
-            conn = Connection(sock, ("-", "0"), self.settings.limits, 1.0)
-            try:
-                conn.send(simple_response(503, "Service Unavailable", self.dates))
-            except ClientGone:
-                self.log.debug("A queued client left before its 503")
-            conn.close(linger=True)
+            self.turn_away(sock)
 
     def _wait_idle(self, conn: Connection) -> bool:
         """Between requests: wait for the client in this greenlet, marked idle for the drain."""

@@ -125,13 +125,19 @@ class SyncWorker(Worker):
             accepted = self._accept()
             if accepted is None:
                 return
-            sock, addr, _ = accepted
-            conn = Connection(sock, ("-", "0"), self.settings.limits, 1.0)
-            try:
-                conn.send(simple_response(503, "Service Unavailable", self.dates))
-            except ClientGone:
-                self.log.debug("A queued client left before its 503")
-            conn.close(linger=True)
+            self.turn_away(accepted[0])
+
+    def turn_away(self, sock: socket.socket) -> None:
+        """A client still queued past the drain deadline: a 503, never a reset (counted as a
+        refusal: its request was never read)."""
+        conn = Connection(sock, ("-", "0"), self.settings.limits, 1.0)
+        try:
+            conn.send(simple_response(503, "Service Unavailable", self.dates))
+        except ClientGone:
+            self.log.debug("A queued client left before its 503")
+        conn.close(linger=True)
+        if self.metrics is not None:
+            self.metrics.request("-", 503, None)
 
     def _idle(self) -> None:
         """About to wait for work: write out telemetry, send a heartbeat if one is due."""

@@ -12,15 +12,20 @@ the response went out, so a count is awaited (``wait_for``) and then checked exa
 from __future__ import annotations
 
 import collections
+import contextlib
+import fcntl
+import glob
 import os
+import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
@@ -40,16 +45,17 @@ PER_WORKER = ("forkserve_active_connections", "forkserve_in_flight_requests",
               "forkserve_background_tasks", "forkserve_worker_rss_bytes",
               "forkserve_worker_heartbeat_age_seconds")
 RESTART_REASONS = ("max_requests", "crashed", "timeout", "boot_failed")
+METRIC = re.compile(r"(counter|gauge|histogram|summary)_[^/]*\.db\Z")  # prometheus_client's
 
 
 # -- helpers ------------------------------------------------------------------------------------
 
 def start(server_factory: Callable[..., Server], *args: str, workers: int = 2,
-          env: dict[str, str] | None = None) -> Server:
-    """A ready server of the metrics app with a status server. An empty
+          env: dict[str, str] | None = None, app: str = APP) -> Server:
+    """A ready server of the metrics app (or ``app``) with a status server. An empty
     PROMETHEUS_MULTIPROC_DIR unless ``env`` gives one: one set where the tests run must not
     leak in (empty means unset to forkserve)."""
-    server = server_factory("--status-bind", "127.0.0.1:0", *args, app=APP, workers=workers,
+    server = server_factory("--status-bind", "127.0.0.1:0", *args, app=app, workers=workers,
                             env={"PROMETHEUS_MULTIPROC_DIR": "", **(env or {})})
     return server.wait_ready()
 
@@ -171,6 +177,48 @@ def restarts(m: Metrics) -> dict[str, float]:
             for reason in RESTART_REASONS}
 
 
+def lock_held(directory: Path | str) -> bool:
+    """Does some process hold the directory's lock (shared: a forkserve using it)? Tried from
+    here, as a third party, and let go at once."""
+    fd = os.open(os.path.join(directory, ".forkserve.lock"), os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # and with it our lock, if we got it
+    return False
+
+
+def private_dirs(tmpdir: Path) -> set[str]:
+    """The private metrics directories in ``tmpdir`` (the servers' TMPDIR)."""
+    return {os.path.basename(p) for p in glob.glob(str(tmpdir / "forkserve-metrics-*"))}
+
+
+def stale_counter(path: Path, value: float) -> None:
+    """A metric file as an earlier run leaves it: ``value`` requests, were it ever read."""
+    earlier = MmapedDict(str(path))
+    name = "forkserve_requests"
+    earlier.write_value(mmap_key(name, name + "_total", ["method", "status"], ["GET", "200"],
+                                 "stale"), value, 0.0)
+    earlier.close()
+
+
+@contextlib.contextmanager
+def replaced_by_a_file(path: str) -> Iterator[None]:
+    """A regular file where the directory ``path`` was: creating anything in it fails with
+    ENOTDIR (tests run as root, which no mode bits stop). The directory is put back after."""
+    away = path + ".away"
+    os.rename(path, away)
+    try:
+        Path(path).write_text("not a directory\n")
+        yield
+    finally:
+        if os.path.isfile(path):
+            os.remove(path)
+        os.rename(away, path)
+
+
 # -- counting across workers ------------------------------------------------------------------
 
 def test_thousand_requests_over_two_workers_are_counted_once(server_factory: Any) -> None:
@@ -208,8 +256,10 @@ def test_thread_and_gevent_workers_count_requests(server_factory: Any, worker_cl
     assert m.pids("app_worker_up") == pids, m
 
 
-def test_unknown_methods_and_refusals_count_as_other(server_factory: Any) -> None:
-    server = start(server_factory, workers=1)
+@pytest.mark.parametrize("worker_class", ["sync", "thread", "gevent"])
+def test_unknown_methods_and_refusals_count_as_other(server_factory: Any,
+                                                     worker_class: str) -> None:
+    server = start(server_factory, "-k", worker_class, workers=1)
     port = server.port
     assert get(port, "/").status == 200
     # A method llhttp knows but forkserve does not list: it reaches the app.
@@ -225,6 +275,9 @@ def test_unknown_methods_and_refusals_count_as_other(server_factory: Any) -> Non
     for status, data in refusals.items():
         assert raw_request(port, data).startswith(f"HTTP/1.1 {status} ".encode()), status
     m = counted(server, 6, hits=2)  # refusals never reach the app
+    # Counted, never timed: the histogram holds the two requests the app answered, and
+    # nothing of the refusals, in any bucket.
+    assert m.value("forkserve_request_duration_seconds_bucket", le="+Inf") == 2, m
     assert m.value(REQUESTS, method="GET", status="200") == 1, m
     assert m.value(REQUESTS, method="other", status="200") == 1, m
     for status in refusals:
@@ -466,3 +519,217 @@ def test_scrape_survives_a_metrics_file_being_created(server_factory: Any, tmp_p
     assert server.proc.poll() is None, server.log_text()
     fire(server.port, 2)
     counted(server, 5)
+
+
+def test_operator_directory_wipes_only_metric_files(server_factory: Any,
+                                                    tmp_path: Path) -> None:
+    """Of what an earlier run left in an operator's directory, only prometheus_client's
+    metric files (``TYPE_*.db``, at the top) go; everything else stays, byte for byte."""
+    directory = tmp_path / "prom"
+    (directory / "keep").mkdir(parents=True)
+    metric_files = ["counter_111.db", "counter_fs_111.db", "counter_arbiter-111.db",
+                    "counter_arbiter-111-archive.db", "gauge_livesum_111.db", "gauge_all_111.db",
+                    "histogram_111.db", "histogram_fs_111.db", "summary_111.db"]
+    for name in metric_files:
+        stale_counter(directory / name, 1000.0)
+    # A metric file's name on a link: the link goes, never what it points to.
+    outside = tmp_path / "outside.db"
+    stale_counter(outside, 1000.0)
+    (directory / "counter_222.db").symlink_to(outside)
+    kept = {"app.db": b"SQLite format 3\x00 the app's own database",
+            "notes.txt": b"the operator's notes\n",
+            "counter_111.db.bak": b"a backup",
+            "Counter_111.db": b"not prometheus_client's case",
+            "mycounter_111.db": b"a prefix is not a type",
+            "keep/counter_111.db": b"below the top: not ours"}
+    for name, data in kept.items():
+        (directory / name).write_bytes(data)
+    outside_data = outside.read_bytes()
+
+    server = start(server_factory, env={"PROMETHEUS_MULTIPROC_DIR": str(directory)})
+    record = server.wait_log("Removed metric files of an earlier run")
+    assert record["files"] == len(metric_files) + 1, record
+    for name in [*metric_files, "counter_222.db"]:
+        assert not os.path.lexists(directory / name), name
+    fire(server.port, 7)
+    counted(server, 7)  # nothing of the earlier run's 1000s
+    server.signal(signal.SIGTERM)
+    assert server.wait_exit(10) == 0
+    for name, data in kept.items():
+        assert (directory / name).read_bytes() == data, name
+    assert outside.read_bytes() == outside_data
+
+
+def test_two_instances_share_an_operator_directory(server_factory: Any, tmp_path: Path) -> None:
+    """As in an -sf handoff with the same environment: the second instance wipes nothing of
+    the first's, both hold the directory's lock shared, and only once both are gone can it be
+    taken."""
+    directory = tmp_path / "prom"
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(directory)}
+    first = start(server_factory, env=env)
+    fire(first.port, 30)
+    counted(first, 30)
+    assert lock_held(directory)  # the first instance alone holds it
+    files = set(os.listdir(directory))
+    assert sum(METRIC.match(name) is not None for name in files) >= 4, files
+
+    second = start(server_factory, env=env)
+    assert second.count_log("Removed metric files") == 0, second.log_text()
+    assert files <= set(os.listdir(directory)), (files, os.listdir(directory))
+    counted(first, 30)  # its workers' files are still there, still read
+    counted(second, 30)  # the directory merged: the first instance's counts too
+    fire(second.port, 10)
+    counted(first, 40)
+    counted(second, 40)
+    assert lock_held(directory)
+
+    first.signal(signal.SIGTERM)
+    assert first.wait_exit(10) == 0
+    assert lock_held(directory), "the second instance does not hold the directory's lock"
+    counted(second, 40)  # what the first instance counted is kept: no counter goes down
+    second.signal(signal.SIGTERM)
+    assert second.wait_exit(10) == 0
+    assert not lock_held(directory), "the lock is held after both instances exited"
+    assert directory.is_dir()  # the operator's: never removed
+
+
+def test_orphaned_private_directories_are_swept(server_factory: Any, tmp_path: Path) -> None:
+    """A private directory whose arbiter was SIGKILLed (so nobody holds its lock) is removed
+    when the next server makes its own; one whose lock is held, or that has no lock file, is
+    left alone."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = {"TMPDIR": str(tmpdir)}
+    killed = start(server_factory, env=env)
+    orphan = get(killed.port, "/metrics-dir").body.decode()
+    assert os.path.dirname(orphan) == str(tmpdir), orphan
+    assert os.path.basename(orphan).startswith(f"forkserve-metrics-{killed.pid}-"), orphan
+    killed.close()  # SIGKILL to the whole process group: nothing cleans up
+    assert os.path.isfile(os.path.join(orphan, ".forkserve.lock")), orphan
+    assert not lock_held(orphan)
+
+    running = start(server_factory, env=env)
+    alive = get(running.port, "/metrics-dir").body.decode()
+    held = tempfile.mkdtemp(prefix="forkserve-metrics-999999-", dir=tmpdir)
+    lock = os.open(os.path.join(held, ".forkserve.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                   0o600)
+    unlocked = tempfile.mkdtemp(prefix="forkserve-metrics-999998-", dir=tmpdir)  # no lock file
+    try:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        sweeper = start(server_factory, env=env)
+        own = get(sweeper.port, "/metrics-dir").body.decode()
+        assert not os.path.exists(orphan), os.listdir(orphan)
+        assert private_dirs(tmpdir) == {os.path.basename(p) for p in (alive, held, unlocked, own)}
+        assert os.path.isfile(os.path.join(held, ".forkserve.lock"))
+        # The running server lost nothing.
+        fire(running.port, 3)
+        counted(running, 4)  # and its /metrics-dir
+        sweeper.signal(signal.SIGTERM)
+        assert sweeper.wait_exit(10) == 0
+        assert private_dirs(tmpdir) == {os.path.basename(p) for p in (alive, held, unlocked)}
+    finally:
+        os.close(lock)
+
+
+def test_worker_that_cannot_create_its_metric_files_still_serves(server_factory: Any,
+                                                                 tmp_path: Path) -> None:
+    """Its replacement finds a regular file where the directory was: creating its files
+    fails, and it serves without them. The app is one without metrics of its own: those
+    would fail its import, as they should."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    server = start(server_factory, workers=1, env={"TMPDIR": str(tmpdir)}, app="tests.apps:app")
+    (path,) = glob.glob(str(tmpdir / f"forkserve-metrics-{server.pid}-*"))
+    (worker,) = worker_set(server, 1)
+    for _ in range(3):
+        assert int(get(server.port, "/pid").body) == worker
+    wait_metrics(server, lambda m: m.value(REQUESTS) == 3, "3 requests counted")
+
+    with replaced_by_a_file(path):
+        os.kill(worker, signal.SIGKILL)
+        server.wait_log(f"(pid {worker}) was killed by signal 9")
+        record = server.wait_log("Worker cannot record metrics; serving without them")
+        assert "Not a directory" in record["error"], record
+        (replacement,) = wait_for(lambda: (w := server.workers()) and len(w) == 1
+                                  and worker not in w and w, 10, "a replacement worker")
+        for _ in range(5):
+            response = get(server.port, "/pid")
+            assert (response.status, int(response.body)) == (200, replacement)
+        assert server.count_log("Worker cannot record metrics") == 1, server.log_text()
+        assert server.proc.poll() is None
+    # Whole again: what the killed worker counted is there; the replacement records nothing.
+    m = metrics(server)
+    assert m.value(REQUESTS) == 3 and m.value(DURATIONS) == 3, m
+    assert restarts(m)["crashed"] == 1, m
+    server.signal(signal.SIGTERM)
+    assert server.wait_exit(10) == 0
+    assert not os.path.exists(path)
+
+
+def test_upgrade_check_import_is_not_counted(server_factory: Any, tmp_path: Path) -> None:
+    """USR2 first runs ``--check``, which imports the app: its metrics go to a scratch
+    directory, so a counter the app increments at import shows exactly one per worker ever
+    booted (the old workers' folded, the new ones'), never one more for the check."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    imports = tmp_path / "imports"
+    server = start(server_factory, app="tests.apps_metrics_import:app",
+                   env={"TMPDIR": str(tmpdir), "APP_IMPORTS_LOG": str(imports)})
+    old = worker_set(server, 2)
+    path = get(server.port, "/metrics-dir").body.decode()
+    m = wait_metrics(server, lambda m: m.value("app_imports_total") >= 2, "2 imports counted")
+    assert m.value("app_imports_total") == 2, m
+
+    server.signal(signal.SIGUSR2)
+    seen: list[float] = []
+
+    def upgraded() -> bool:
+        value = metrics(server).value("app_imports_total")
+        assert value <= 4 and value >= (seen[-1] if seen else 2), (seen, value)
+        seen.append(value)
+        return (server.count_log("Upgrade complete") == 1 and len(server.workers()) == 2
+                and not set(server.workers()) & old)
+    wait_for(upgraded, 20, f"the upgrade, and the old workers {old} gone\n{server.log_text()}")
+    new = set(server.workers())
+    m = wait_metrics(server, lambda m: m.value("app_imports_total") >= 4
+                     and m.value("forkserve_reloads_total", outcome="succeeded") == 1,
+                     "4 imports and the upgrade counted")
+    assert m.value("app_imports_total") == 4, m
+    assert m.pids("app_worker_up") == new, m
+
+    # Who imported the app, and where its files went: the check did import it, elsewhere.
+    where = dict(line.split(" ", 1) for line in imports.read_text().splitlines())
+    others = set(map(int, where)) - old - new
+    assert len(where) == 5 and len(others) == 1, (where, old, new)
+    check = others.pop()
+    assert where[str(check)] not in ("", path), where
+    assert {where[str(pid)] for pid in old | new} == {path}, where
+    # At the top of the directory, files of live workers only: the old workers' were folded,
+    # the check's never there.
+    pids = {int(match.group(1)) for name in os.listdir(path)
+            if (match := re.fullmatch(r"[a-z]+_(?:[a-z]+_)?(\d+)\.db", name))}
+    assert pids == new, (os.listdir(path), new, check)
+    server.signal(signal.SIGTERM)
+    assert server.wait_exit(10) == 0
+
+
+def test_upgrade_with_an_unusable_metrics_directory_keeps_serving(server_factory: Any,
+                                                                  tmp_path: Path) -> None:
+    """USR2 while nothing can be created in the metrics directory (here a file stands where
+    it was; in life a full or read-only file system, or a stray file where the upgrade's
+    check wants its scratch directory): the upgrade may complete or be aborted, but the
+    server serves on either way. Metrics are an extra."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    server = start(server_factory, workers=1, env={"TMPDIR": str(tmpdir)}, app="tests.apps:app")
+    (path,) = glob.glob(str(tmpdir / f"forkserve-metrics-{server.pid}-*"))
+    outcomes = ("Upgrade complete", "Upgrade aborted", "Upgrade failed")
+    with replaced_by_a_file(path):
+        server.signal(signal.SIGUSR2)
+        wait_for(lambda: server.proc.poll() is not None
+                 or any(server.count_log(outcome) for outcome in outcomes), 20,
+                 f"the upgrade's outcome\n{server.log_text()}")
+        assert server.proc.poll() is None, f"USR2 took the server down\n{server.log_text()}"
+        assert get(server.port, "/pid").status == 200
+    server.signal(signal.SIGTERM)
+    assert server.wait_exit(10) == 0
