@@ -217,7 +217,7 @@ def open_status(config: Config, handover: dict[str, Any] | None, log: Log) -> so
         sock.set_inheritable(False)
         host, _, port = config.status_bind.rpartition(":") if config.status_bind else ("", "", "")
         got_host, _, got_port = _describe(sock, "").rpartition(":")
-        if config.status_bind and got_host == host and port in (got_port, "0"):
+        if config.status_bind and _same_host(host, got_host) and port in (got_port, "0"):
             return sock
         sock.close()  # --status-bind changed (or went away) with the upgrade
     if not config.status_bind:
@@ -238,6 +238,17 @@ def open_status(config: Config, handover: dict[str, Any] | None, log: Log) -> so
                     "internals; bind it to 127.0.0.1 or firewall it", status_bind=config.status_bind)
     log.info("Status server listening", status_bind=_describe(sock, config.status_bind))
     return sock
+
+
+def _same_host(configured: str, bound: str) -> bool:
+    """Is the configured host (a name, such as localhost, or an address) the bound address?"""
+    configured, bound = configured.strip("[]"), bound.strip("[]")
+    if configured == bound:
+        return True
+    try:
+        return bound in {info[4][0] for info in socket.getaddrinfo(configured, None)}
+    except OSError:
+        return False
 
 
 def _signal_all(pids: list[int], signum: int) -> None:

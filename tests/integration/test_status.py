@@ -941,3 +941,15 @@ def test_usr2_to_a_taken_status_port_upgrades_without_the_status_server(server_f
     assert server.proc.poll() is None
     server.signal(signal.SIGTERM)
     assert exit_code(server, 10) == 0
+
+
+def test_usr2_keeps_a_status_listener_bound_by_host_name(server_factory: Any) -> None:
+    """--status-bind localhost:PORT: the upgraded image recognises the inherited 127.0.0.1
+    socket as the same address and keeps it (rebinding would drop its queued clients)."""
+    server = server_factory("--status-bind", "localhost:0").wait_ready()
+    port = server.status_port
+    server.signal(signal.SIGUSR2)
+    server.wait_log("Upgrade complete", timeout=30)
+    assert server.count_log("Status server listening") == 1, server.log_text()
+    assert answer(server, "/healthz")["state"] == "running"
+    assert server.status_port == port
