@@ -345,8 +345,9 @@ class Config:
         return self.values["workers"] or _cpu_count()
 
     def describe(self) -> str:
+        status = f"; status server on {self.status_bind}" if self.status_bind else ""
         return (f"app {self.app}: {self.worker_count} {self.worker_class} worker(s) on "
-                f"{', '.join(self.bind)}")
+                f"{', '.join(self.bind)}{status}")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -89,6 +89,12 @@ def test_check_good_app_binds_nothing(busy_port: int) -> None:
     assert "docker stop --time 30" in budget
 
 
+def test_check_names_the_status_server_and_binds_nothing(busy_port: int) -> None:
+    result = forkserve("--check", "--status-bind", f"127.0.0.1:{busy_port}", "tests.apps:app")
+    assert result.returncode == 0, result.stderr
+    assert f"status server on 127.0.0.1:{busy_port}" in result.stdout.splitlines()[0]
+
+
 def test_check_budget_follows_the_settings() -> None:
     result = forkserve("--check", "--lameduck", "5", "--drain-timeout", "40", "--cancel-grace", "3",
                        "tests.apps:app")
