@@ -94,8 +94,13 @@ class Server:
         argv += list(args)
         if app:
             argv.append(app)
+        self._launch(argv, dict(os.environ), env, cwd, pass_fds)
+
+    def _launch(self, argv: list[str], base_env: dict[str, str], env: dict[str, str] | None,
+                cwd: Path | str, pass_fds: tuple[int, ...]) -> None:
+        """Start ``argv`` in a new session with the tests on PYTHONPATH, and read its output."""
         self.argv = argv
-        full_env = dict(os.environ)
+        full_env = dict(base_env)
         full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
         full_env.update(env or {})
         self.proc = subprocess.Popen(argv, cwd=str(cwd), env=full_env, stdin=subprocess.DEVNULL,
@@ -120,17 +125,9 @@ class Server:
 
     # -- logs ----------------------------------------------------------------------------
     def records(self) -> list[dict[str, Any]]:
-        out = []
         with self._lock:
             lines = list(self.lines)
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                out.append(record)
-        return out
+        return json_records(lines)
 
     def log_text(self) -> str:
         with self._lock:
@@ -240,6 +237,31 @@ class Server:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def json_records(lines: list[str]) -> list[dict[str, Any]]:
+    """The lines that are JSON objects, parsed (a log may also hold a traceback, text)."""
+    out = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+def read_json_file(path: Path) -> list[dict[str, Any]]:
+    """The JSON-object lines of a file written by a server (none while it does not exist)."""
+    return json_records(path.read_text().splitlines()) if path.exists() else []
+
+
+def wait_file_record(path: Path, message: str, timeout: float = 10.0) -> dict[str, Any]:
+    """The first record of a JSON log file whose message contains ``message``."""
+    def find() -> dict[str, Any] | None:
+        return next((r for r in read_json_file(path) if message in r.get("message", "")), None)
+    return wait_for(find, timeout, f"{message!r} in {path}")  # type: ignore[no-any-return]
 
 
 def raw_request(port: int, data: bytes, timeout: float = 10.0, read_until_close: bool = True) -> bytes:

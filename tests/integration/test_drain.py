@@ -26,7 +26,7 @@ from urllib.parse import urlencode
 import pytest
 
 from tests.harness import (Gate, Server, closed_without_response, get, open_fds, read_head,
-                           read_response,
+                           read_json_file, read_response,
                            refused, send_get, wait_for)
 
 WORKER_CLASSES = ["sync", "thread", "gevent"]
@@ -50,20 +50,6 @@ FINISH_BODY = b"finished for the client"
 
 
 # -- helpers ------------------------------------------------------------------------------------
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-    return out
-
 
 def closed_within(sock: socket.socket, timeout: float) -> bool:
     """True if the server closes ``sock`` within ``timeout`` without sending anything; False
@@ -191,7 +177,7 @@ class Scenario:
         return statuses
 
     def spans(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.span_log)
+        return read_json_file(self.span_log)
 
     def held(self, gate: Gate, size: int = 10, close: bool = True) -> socket.socket:
         """A request held in the app on ``gate`` until the test releases it."""

@@ -6,7 +6,6 @@ every wait is a deadline-bounded ``wait_for`` or log wait.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -16,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from tests.harness import (worker_set, Server, closed_without_response, get, process_group, read_response,
-                           refused, send_get, wait_for)
+from tests.harness import (worker_set, Server, closed_without_response, get, process_group,
+                           read_json_file, read_response, refused, send_get, wait_file_record,
+                           wait_for)
 
 APP_LOAD_ERROR = 4
 WORKER_BOOT_ERROR = 3
@@ -41,24 +41,6 @@ def exit_code(server: Server, timeout: float) -> int:
 def cmdline(pid: int) -> str:
     with open(f"/proc/{pid}/cmdline", "rb") as fh:
         return fh.read().replace(b"\0", b" ").decode().strip()
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
-def wait_file_record(path: Path, message: str, timeout: float = 10.0) -> dict[str, Any]:
-    def find() -> dict[str, Any] | None:
-        return next((r for r in read_records(path) if message in r.get("message", "")), None)
-    return wait_for(find, timeout, f"{message!r} in {path}")  # type: ignore[no-any-return]
 
 
 # -- 1. start, serve, stop ----------------------------------------------------------------------
@@ -437,8 +419,8 @@ def test_hup_applies_a_changed_error_log(server_factory: Any, tmp_path: Path) ->
     wait_file_record(first, "Reloading")
 
     def moved_or_warned() -> bool:
-        warned = any("error_log" in str(r.get("settings", "")) for r in read_records(first))
-        return warned or any("Reload complete" in r.get("message", "") for r in read_records(second))
+        warned = any("error_log" in str(r.get("settings", "")) for r in read_json_file(first))
+        return warned or any("Reload complete" in r.get("message", "") for r in read_json_file(second))
     wait_for(moved_or_warned, 5, f"the error log to move to {second}\n{first.read_text()}")
 
 
@@ -486,7 +468,7 @@ def test_usr1_reopens_error_and_access_logs(server_factory: Any, tmp_path: Path)
     # Every request is logged exactly once, in one file or the other.
     logged = [m for m in sent for line in old_lines + new_lines if f'"GET {m} HTTP/1.1"' in line]
     assert sorted(logged) == sorted(sent), (old_lines, new_lines)
-    assert not any("Reopened" in r.get("message", "") for r in read_records(rotated_error))
+    assert not any("Reopened" in r.get("message", "") for r in read_json_file(rotated_error))
 
 
 # -- 8. max-requests ----------------------------------------------------------------------------

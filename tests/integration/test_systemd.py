@@ -12,7 +12,6 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -166,27 +165,9 @@ class LaunchedServer(Server):
 
     def __init__(self, launcher: list[str], forkserve_args: list[str],
                  env: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()) -> None:
-        self.argv = [*launcher, *forkserve_args]
         # Whatever systemd may have given the test run itself is not for this server.
-        full_env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_ENV}
-        full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
-        full_env.update(env or {})
-        self.proc = subprocess.Popen(self.argv, cwd=str(ROOT), env=full_env,
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True,
-                                     pass_fds=pass_fds)
-        self.pid = self.proc.pid
-        self.lines: list[str] = []
-        self.stdout_lines: list[str] = []
-        self._lock = threading.Lock()
-        self._readers = [
-            threading.Thread(target=self._read, args=(self.proc.stderr, self.lines), daemon=True),
-            threading.Thread(target=self._read, args=(self.proc.stdout, self.stdout_lines),
-                             daemon=True),
-        ]
-        for reader in self._readers:
-            reader.start()
-        self._port: int | None = None
+        base_env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_ENV}
+        self._launch([*launcher, *forkserve_args], base_env, env, ROOT, pass_fds)
 
 
 @pytest.fixture
