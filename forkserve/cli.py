@@ -28,8 +28,8 @@ from forkserve.config import Config
 from forkserve.control import ControlError, take_listeners
 from forkserve.sockets import AddressInUse, BindError, Listener, adopt, bind
 from forkserve.systemd import activation_env_vars, listen_fds
-
-METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # forkserve.metrics.ENV (that module loads lazily)
+from forkserve.metrics import ENV as METRICS_ENV
+from forkserve.metrics import Store, prepare_directory
 
 
 PAUSE_WAIT = 3.0  # how long a new instance waits for paused predecessors to free the port
@@ -92,8 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     store = None
     if config.status_bind or os.environ.get(METRICS_ENV):
         # Before anything imports prometheus_client (a preloaded app, the workers): it decides
-        # at import whether its values live in the shared directory.
-        from forkserve.metrics import Store, prepare_directory
+        # at import whether its values live in the shared directory (forkserve.metrics imports
+        # it only inside its functions).
         try:
             path, owned, removed, lock = prepare_directory(handover)
             store = Store(path, owned, lock)

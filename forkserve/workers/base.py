@@ -29,6 +29,8 @@ from forkserve.counters import ExitCode, Kind, Writer
 from forkserve.http import Limits
 from forkserve.loader import AppLoadError, load_app
 from forkserve.logs import Log
+from forkserve.metrics import ENV as METRICS_ENV
+from forkserve.metrics import Recorder
 from forkserve.sockets import Listener
 from forkserve.telemetry import AccessLog, SpanLog
 from forkserve.telemetry.accesslog import RequestIds
@@ -66,7 +68,7 @@ class WorkerSettings:
         self.access_log: str | None = config.access_log
         self.access_log_format: str = config.access_log_format
         # Set by the cli (in the environment) when metrics are on; read at spawn.
-        self.metrics_dir: str | None = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+        self.metrics_dir: str | None = os.environ.get(METRICS_ENV) or None
         self.span_log: str | None = config.span_log
         self.background_threads: int = config.background_threads
         self.cancel_grace: float = config.cancel_grace
@@ -180,8 +182,6 @@ class Worker:
             self.access_log = AccessLog(self.settings.access_log, self.settings.access_log_format)
             self.request_ids = RequestIds()
         if self.settings.metrics_dir:
-            from forkserve.metrics import Recorder
-
             try:
                 self.metrics = Recorder(self.settings.metrics_dir, os.getpid(), self.multithread)
             except OSError as exc:
