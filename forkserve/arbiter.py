@@ -44,6 +44,9 @@ MAX_POLL_MS = 3_600_000.0
 STATUS_FINISH = 1.0  # seconds status requests in progress get before an upgrade's exec
 REFRESH_WAIT = 0.1  # seconds a status answer waits for the workers' live numbers
 FRESH_FOR = 0.05  # numbers this recent answer without asking again (a burst of scrapes)
+# How long a stop's transition lines wait for the workers' live numbers (a busy sync worker
+# reports only between requests, so the last numbers we have may say nothing is in flight).
+LIVE_LINE_WAIT = 0.5
 # What an in-place upgrade hands to the new image (read and removed by cli.main).
 UPGRADE_ENV = "FORKSERVE_UPGRADE_HANDOVER"
 
@@ -86,6 +89,14 @@ class Arbiter:
     workers: dict[int, WorkerHandle] = field(default_factory=dict)
     exit_code: int = ExitCode.OK
     reload_generation: int | None = None  # a HUP's generation still booting
+    # A reload or upgrade asked for while another was in progress: carried out once it is
+    # over (any number of requests coalesce into one), dropped only if the server stops.
+    reload_wanted: bool = False
+    upgrade_wanted: bool = False
+    # Transition lines waiting (at most LIVE_LINE_WAIT, until held_until) for live numbers:
+    # (level, message, state, fields). The transitions themselves happened already.
+    held_lines: list[tuple[str, str, str, dict[str, Any]]] = field(default_factory=list)
+    held_until: float | None = None
     deadline: float | None = None  # the drain deadline
     lameduck_until: float | None = None
     next_progress: float = 0.0  # next "Draining in-flight connections" line
@@ -156,6 +167,10 @@ class Arbiter:
                       app=self.config.app)
         if self.inherited is not None:
             self.adopt_old_workers(self.inherited["workers"], self.inherited["generation"])
+            # What the old image had been asked and had not acted on yet (see exec_upgrade).
+            wanted = self.inherited.get("wanted", [])
+            self.reload_wanted, self.upgrade_wanted = "reload" in wanted, "upgrade" in wanted
+            self.signals.replay(self.inherited.get("signals", []))
         if self.notifier is not None and self.notifier.enabled and self.notifier.watchdog_interval:
             self.next_watchdog = time.monotonic()
         self.spawn_missing(time.monotonic())
@@ -191,9 +206,48 @@ class Arbiter:
             self.status_server.close()
 
     # -- state -----------------------------------------------------------------------------
-    def transition(self, event: Event, message: str, level: str = "info", **fields: Any) -> None:
+    def transition(self, event: Event, message: str, level: str = "info",
+                   live_numbers: bool = False, **fields: Any) -> None:
+        """Change state and write its one line. ``live_numbers``: the line's counters must be
+        the workers' live ones, not their last heartbeats; it is held (never the transition)
+        until they are in, at most LIVE_LINE_WAIT. Lines keep their order: a later
+        transition writes the held ones first."""
         self.state = next_state(self.state, event)
-        getattr(self.log, level)(message, state=self.state.value, **self.totals(), **fields)
+        line = (level, message, self.state.value, fields)
+        if live_numbers:
+            self.held_lines.append(line)
+            if self.held_until is None:
+                self.held_until = time.monotonic() + LIVE_LINE_WAIT
+            self.write_held_lines(time.monotonic())
+            return
+        self.write_held_lines(None)
+        self.write_line(line)
+
+    def write_line(self, line: tuple[str, str, str, dict[str, Any]]) -> None:
+        level, message, state, fields = line
+        getattr(self.log, level)(message, state=state, **self.totals(), **fields)
+
+    def write_held_lines(self, now: float | None) -> None:
+        """The held transition lines, once the numbers are live (``now`` None: at once)."""
+        if not self.held_lines:
+            return
+        if now is not None and not self.numbers_live(now):
+            return
+        lines, self.held_lines, self.held_until = self.held_lines, [], None
+        for line in lines:
+            self.write_line(line)
+
+    def numbers_live(self, now: float) -> bool:
+        """Every worker has told its live numbers since the stop (or the wait is over): the
+        ones asked (SIGWINCH) answered, and in a drain every one took the stop (a DRAINING
+        record carries live counters, and from then on each change)."""
+        if self.held_until is not None and now >= self.held_until:
+            return True
+        if self.fresh is not None:
+            return False
+        if self.state in (State.DRAINING, State.CANCELLING):
+            return all(h.draining for h in self.workers.values())
+        return True
 
     def totals(self) -> dict[str, int]:
         live = self.workers.values()
@@ -208,8 +262,13 @@ class Arbiter:
     def stop(self) -> None:
         if self.state not in (State.BOOTING, State.RUNNING):
             return  # already stopping: a second TERM changes nothing
+        self.read_counters()
+        self.numbers_fresh()  # asks busy workers for their numbers: the line waits for them
+        if self.reload_wanted or self.upgrade_wanted:
+            self.log.info("A coalesced reload or upgrade is dropped: the server is stopping")
+            self.reload_wanted = self.upgrade_wanted = False
         self.transition(Event.STOP, "Received shutdown signal, draining connections",
-                        lameduck=self.config.lameduck)
+                        live_numbers=True, lameduck=self.config.lameduck)
         if self.state is State.LAMEDUCK:
             # Still serving and accepting; readiness already fails, so load balancers can take
             # this instance out before it stops accepting.
@@ -223,7 +282,8 @@ class Arbiter:
         """Stop accepting (workers serve what is queued, then close), drain what is in flight."""
         if self.state is State.LAMEDUCK:
             self.lameduck_until = None
-            self.transition(Event.LAMEDUCK_OVER, "Stopped accepting; draining in-flight work")
+            self.transition(Event.LAMEDUCK_OVER, "Stopped accepting; draining in-flight work",
+                            live_numbers=True)
         for listener in self.listeners:
             listener.sock.close()  # the workers hold the accept queue until they drained it
         now = time.monotonic()
@@ -291,10 +351,22 @@ class Arbiter:
             self.log.warning(f"{what} is not supported yet; signal ignored")
         return ignore
 
+    def reloading(self) -> bool:
+        """A reload or an upgrade is in progress: a new generation booting, an upgrade's check
+        running, or the new image booting while the old image's workers serve."""
+        return (self.reload_generation is not None or self.upgrade_check is not None
+                or self.upgrading_from is not None)
+
     def reload(self) -> None:
-        if self.state is not State.RUNNING or self.reload_generation is not None:
-            self.log.warning("Reload ignored: the server is not running steadily",
-                             state=self.state.value)
+        if self.state not in (State.BOOTING, State.RUNNING):
+            self.log.warning("Reload ignored: the server is stopping", state=self.state.value)
+            return
+        if self.state is State.BOOTING or self.reloading():
+            # Remembered, not dropped (a second `systemctl reload` during a deploy): carried
+            # out when this one is over; any number of them coalesce into one.
+            self.reload_wanted = True
+            self.log.info("Reload requested during another reload or upgrade; coalesced, it "
+                          "follows once that one completes", state=self.state.value)
             return
         try:
             new = resolve(self.cli_args, os.environ)
@@ -318,6 +390,19 @@ class Arbiter:
         self.notify("reloading")
         self.start_generation("Reloading")
 
+    def carry_out_wanted(self) -> None:
+        """A coalesced reload or upgrade, once nothing else is in progress. An upgrade also
+        re-reads the configuration and starts a new generation: it answers a reload asked for
+        before it started as well."""
+        if self.state is not State.RUNNING or self.reloading() or self.paused:
+            return
+        if self.upgrade_wanted:
+            self.upgrade_wanted = self.reload_wanted = False
+            self.upgrade()
+        elif self.reload_wanted:
+            self.reload_wanted = False
+            self.reload()
+
     def start_generation(self, why: str) -> None:
         """Boot a new generation of workers; the old one is retired once it has booted."""
         self.generation += 1
@@ -329,9 +414,17 @@ class Arbiter:
     # -- in-place upgrade (USR2) ----------------------------------------------------------
     def upgrade(self) -> None:
         """Check the new code and config in a child first; exec ourselves only if it passes."""
-        if self.state is not State.RUNNING or self.upgrade_check is not None or self.paused:
-            self.log.warning("Upgrade ignored: the server is not running steadily",
-                             state=self.state.value)
+        if self.state not in (State.BOOTING, State.RUNNING):
+            self.log.warning("Upgrade ignored: the server is stopping", state=self.state.value)
+            return
+        if self.paused:
+            # Paused means a successor is taking over our ports (TTOU): nothing to upgrade.
+            self.log.warning("Upgrade ignored: the server is paused", state=self.state.value)
+            return
+        if self.state is State.BOOTING or self.reloading():
+            self.upgrade_wanted = True
+            self.log.info("Upgrade requested during another reload or upgrade; coalesced, it "
+                          "follows once that one completes", state=self.state.value)
             return
         self.log.info("Upgrade requested: checking the new configuration and application")
         env = dict(os.environ)
@@ -367,13 +460,21 @@ class Arbiter:
         self.exec_upgrade()
 
     def exec_upgrade(self) -> None:
+        # From here to the new image's SignalQueue, a handled signal must not be acted on by
+        # its default action (HUP, USR1, USR2, TERM would kill the new image before it has
+        # handlers: a total outage). Blocked, it stays pending across execve and reaches the
+        # new image's handlers; what already reached ours is handed over below.
+        mask = sigs.block(ARBITER_SIGNALS)
         self.notify("reloading")
-        handover = {
+        handover: dict[str, Any] = {
             "listeners": [[l.fd, l.address, l.unix_path is not None] for l in self.listeners],
             "counter": [self.counter_r, self.counter_w],
             "alive": [self.alive_r, self.alive_w],
-            "workers": [[h.pid, h.worker_id, h.generation] for h in self.workers.values()],
+            "workers": [[h.pid, h.worker_id, h.generation, h.booted, h.stopping, h.draining]
+                        for h in self.workers.values()],
             "generation": self.generation,
+            "wanted": [what for what, wanted in (("reload", self.reload_wanted),
+                                                 ("upgrade", self.upgrade_wanted)) if wanted],
         }
         if self.status_server is not None:
             if self.status_server.clients:
@@ -388,6 +489,10 @@ class Arbiter:
         for fd in [l.fd for l in self.listeners] + [self.counter_r, self.counter_w,
                                                      self.alive_r, self.alive_w]:
             os.set_inheritable(fd, True)
+        # Last, after the status clients were answered: the signals our handlers recorded and
+        # the loop has not dispatched (the wakeup pipe does not survive the exec).
+        signals = self.signals.undelivered()
+        handover["signals"] = signals
         env = dict(os.environ)
         env[UPGRADE_ENV] = json.dumps(handover)
         if self.control is not None:
@@ -402,6 +507,8 @@ class Arbiter:
         except OSError as exc:
             self.log.error(f"Upgrade failed, still serving: cannot exec: {exc.strerror}")
             self.count_reload("failed")
+            sigs.set_mask(mask)
+            self.signals.replay(signals)
             if self.status_server is not None:
                 os.set_inheritable(self.status_server.fileno(), False)
             for fd in [l.fd for l in self.listeners] + [self.counter_r, self.counter_w,
@@ -411,12 +518,15 @@ class Arbiter:
                 self.control = ControlServer(self.config.control_socket, self.command)
                 self.poller.register(self.control.fileno(), select.POLLIN)
 
-    def adopt_old_workers(self, workers: list[list[int]], generation: int) -> None:
-        """The new image's view of the workers the old image handed over."""
+    def adopt_old_workers(self, workers: list[list[Any]], generation: int) -> None:
+        """The new image's view of the workers the old image handed over (an older image
+        hands over only pid, id and generation: booted, then, and serving)."""
         now = time.monotonic()
-        for pid, worker_id, worker_generation in workers:
+        for pid, worker_id, worker_generation, *flags in workers:
+            booted, stopping, draining = (list(flags) + [True, False, False][len(flags):])[:3]
             self.workers[pid] = WorkerHandle(worker_id, worker_generation, pid=pid, spawned_at=now,
-                                             last_seen=now, booted=True)
+                                             last_seen=now, booted=bool(booted),
+                                             stopping=bool(stopping), draining=bool(draining))
         self.generation = generation + 1
         self.upgrading_from = generation
 
@@ -547,11 +657,15 @@ class Arbiter:
             select.select([self.counter_r], [], [], max(self.refresh_until - time.monotonic(), 0))
 
     def ready(self) -> bool:
-        """Readiness: serving steadily, this generation booted, at least one worker of it up
-        (one being replaced does not make the instance unready; none left does)."""
-        return (self.state is State.RUNNING and self.reload_generation is None
-                and not self.paused and self.upgrade_check is None
-                and any(h.booted for h in self.current()))
+        """Readiness means "send me traffic": running (or, after an in-place upgrade, booting
+        with the old image's workers serving), not paused, and at least one booted worker of
+        any generation that is not stopping. A reload or upgrade in progress does not make
+        the instance unready (its old workers serve until the new ones have booted); going
+        away (lameduck, drain, halt) or having no worker that serves does."""
+        serving = self.state is State.RUNNING or (self.state is State.BOOTING
+                                                   and self.upgrading_from is not None)
+        return (serving and not self.paused
+                and any(h.booted and not h.stopping for h in self.workers.values()))
 
     def status(self) -> dict[str, Any]:
         """One snapshot of everything: the control socket's and /status's answer, and what
@@ -593,7 +707,7 @@ class Arbiter:
             return _json(200 if ready else 503, {
                 "ready": ready, "state": "paused" if self.paused else self.state.value,
                 "generation": self.generation,
-                "reloading": self.reload_generation is not None})
+                "reloading": self.reloading()})
         if path == "/status":
             return _json(200, self.status())
         if path == "/metrics":
@@ -902,6 +1016,8 @@ class Arbiter:
             deadlines.append(self.next_watchdog)
         if self.fresh is not None:
             deadlines.append(self.refresh_until)
+        if self.held_until is not None:
+            deadlines.append(self.held_until)
         if self.status_server is not None:
             client_deadline = self.status_server.next_deadline()
             if client_deadline is not None:
@@ -938,8 +1054,10 @@ class Arbiter:
             self.deadline = None
             if self.state in (State.DRAINING, State.FLUSHING):
                 self.cancel()
+        self.write_held_lines(now)
         if self.state in (State.BOOTING, State.RUNNING):
             self.spawn_missing(now)
+        self.carry_out_wanted()
 
 
 def worker_state(handle: WorkerHandle) -> str:

@@ -1,7 +1,12 @@
 """Signal plumbing: handlers that only record, a wakeup pipe the loop polls, fork hygiene.
 
-Owns: installing handlers, reading which signals arrived, blocking signals across fork().
-Imports only the standard library.
+Owns: installing handlers, reading which signals arrived, blocking signals across fork() and
+execve(). Imports only the standard library.
+
+Blocking across execve (issue 10): an in-place upgrade blocks the handled signals before it
+execs; the mask and the pending signals survive execve, so a signal sent meanwhile waits in the
+kernel instead of killing the new image with its default action before it has handlers.
+:class:`SignalQueue` unblocks them only once its handlers are installed.
 
 # -- runs in a signal handler ------------------------------------------------------------------
 Nothing of ours does: the Python handler we install is empty. CPython's C-level handler writes
@@ -14,7 +19,7 @@ from __future__ import annotations
 import os
 import signal
 from types import FrameType
-from typing import Iterable
+from typing import Iterable, Iterator
 
 
 def _recorded(signum: int, frame: FrameType | None) -> None:
@@ -27,23 +32,47 @@ class SignalQueue:
         self.read_fd, self.write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
         self.signals = tuple(signals)
+        self.pending: list[int] = []  # read from the pipe, not yet handed to the loop
         for signum in self.signals:
             signal.signal(signum, _recorded)
+        # Only now that the handlers exist: after an in-place upgrade these signals arrive
+        # blocked (see block()), and whatever was sent during the exec is delivered here, to
+        # the wakeup pipe. On a fresh start this changes nothing.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)
 
     def fileno(self) -> int:
         return self.read_fd
 
-    def drain(self) -> list[int]:
-        """The signals received since the last call, in order."""
-        received: list[int] = []
+    def _read(self) -> None:
         while True:
             try:
                 data = os.read(self.read_fd, 512)
             except BlockingIOError:
-                return received
+                return
             if not data:
-                return received
-            received.extend(data)
+                return
+            self.pending.extend(data)
+
+    def drain(self) -> Iterator[int]:
+        """The signals received so far, in order, one at a time: what is not yet taken when
+        the loop stops iterating (an exec in the middle of a batch) stays in ``pending``."""
+        self._read()
+        while self.pending:
+            yield self.pending.pop(0)
+
+    def undelivered(self) -> list[int]:
+        """Everything received and not yet handed out (the pipe included), now taken: what an
+        exec must carry over (the pipe is close-on-exec)."""
+        self._read()
+        taken, self.pending = self.pending, []
+        return taken
+
+    def replay(self, signums: Iterable[int]) -> None:
+        """Signals received by someone else (the image we replaced, or before a failed exec):
+        queued as if they had arrived here, waking the loop."""
+        data = bytes(signums)
+        if data:
+            os.write(self.write_fd, data)
 
     def close(self) -> None:
         signal.set_wakeup_fd(-1)
@@ -64,6 +93,16 @@ def fork_with_signals_blocked() -> int:
     if pid != 0:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     return pid
+
+
+def block(signals: Iterable[int]) -> set[int]:
+    """Block ``signals`` (they stay pending until unblocked, across execve too); returns the
+    mask before, for :func:`set_mask`."""
+    return signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+
+
+def set_mask(mask: Iterable[int]) -> None:
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def reset_in_child(signals: Iterable[int]) -> None:

@@ -638,10 +638,12 @@ def test_status_client_accepted_before_usr2_exec_is_answered(server_factory: Any
         assert response.status == 200 and json.loads(response.body)["status"] == "alive"
 
 
-# -- 10. HUP reload: not ready until the new generation booted -----------------------------------
+# -- 10. HUP reload: ready throughout, the old generation serving while the new one boots --------
 
-def test_readyz_fails_while_a_reload_generation_boots(server_factory: Any, gates: Any,
-                                                      tmp_path: Path) -> None:
+def test_readyz_stays_ready_while_a_reload_generation_boots(server_factory: Any, gates: Any,
+                                                            tmp_path: Path) -> None:
+    """Readiness means "send me traffic" (issue 10): the old generation serves while the new
+    one boots, so /readyz stays 200; ``reloading`` tells operators a reload is under way."""
     boot = tmp_path / "boot"  # absent: the first generation boots at once
     server = server_factory(*STATUS, app="tests.apps_status:app", workers=1,
                             env={"STATUS_BOOT_GATE": str(boot)}).wait_ready()
@@ -652,11 +654,11 @@ def test_readyz_fails_while_a_reload_generation_boots(server_factory: Any, gates
     server.wait_log("Reloading: starting a new generation")
     gate.wait_entered()
     assert server.count_log("Reload complete") == 0
-    assert answer(server, "/readyz", 503) == {"ready": False, "state": "running",
-                                              "generation": 2, "reloading": True}
+    assert answer(server, "/readyz") == {"ready": True, "state": "running",
+                                         "generation": 2, "reloading": True}
     assert answer(server, "/healthz")["state"] == "running"
     snap = status(server)
-    assert snap["ready"] is False and snap["generation"] == 2, snap
+    assert snap["ready"] is True and snap["generation"] == 2, snap
     assert [(w["generation"], w["state"]) for w in snap["workers"]] == \
         [(1, "running"), (2, "booting")], snap
     assert int(get(server.port, "/pid").body) == old  # the old generation still serves
