@@ -201,6 +201,40 @@ def test_five_hups_in_a_row_coalesce(request: Any, server_factory: Any, tmp_path
     assert load.failures == [], f"{load.summary()}: {load.failures[:20]}"
 
 
+def test_hups_during_a_booting_reload_coalesce_into_one(server_factory: Any, tmp_path: Path,
+                                                        gates: Any) -> None:
+    """The new generation is held booting (its import waits on a gate), so the next HUPs
+    surely arrive during the reload: each is logged as coalesced, and together they make
+    exactly one more reload, started once the first completed."""
+    boot = tmp_path / "boot"  # absent: the first generation boots at once
+    server = server_factory(app="tests.apps_status:app", workers=1,
+                            env={"STATUS_BOOT_GATE": str(boot)}).wait_ready()
+    gate = gates("boot")  # from now on a worker's import waits on it
+    load = Load(server.port, threads=2, seconds=60).start()
+    try:
+        load.wait_requests(10)
+        server.signal(signal.SIGHUP)
+        gate.wait_entered()  # generation 2 is booting
+        for _ in range(4):
+            server.signal(signal.SIGHUP)
+        wait_count(server, COALESCED, 1)  # the kernel may merge HUPs sent back to back
+        assert server.count_log("Reloading:") == 1
+        gate.release()
+        wait_count(server, "Reload complete", 1)
+        gate.wait_entered()  # generation 3, the coalesced reload, is booting
+        gate.release()
+        wait_count(server, "Reload complete", 2)
+        load.wait_requests(10)
+    finally:
+        load.stop()
+    assert server.count_log("Reloading:") == 2 and server.count_log("ignored") == 0
+    complete = [r for r in server.records() if "Reload complete" in r.get("message", "")]
+    assert [generation_of(r) for r in complete] == [2, 3]
+    assert load.failures == [], f"{load.summary()}: {load.failures[:20]}"
+    server.signal(signal.SIGTERM)
+    assert server.wait_exit(20) == 0
+
+
 @pytest.mark.parametrize("worker_class", WORKER_CLASSES)
 def test_hup_during_the_upgrade_check_is_carried_out_after_it(request: Any, server_factory: Any,
                                                                tmp_path: Path,
