@@ -1027,6 +1027,7 @@ class Arbiter:
         return max(min(deadlines) - now, 0.0)
 
     def tick(self, now: float) -> None:
+        self.write_held_lines(now)  # first: before any later line (progress, escalations)
         timeout = self.config.timeout
         for handle in list(self.workers.values()):
             if handle.escalate_at is not None:
@@ -1054,7 +1055,6 @@ class Arbiter:
             self.deadline = None
             if self.state in (State.DRAINING, State.FLUSHING):
                 self.cancel()
-        self.write_held_lines(now)
         if self.state in (State.BOOTING, State.RUNNING):
             self.spawn_missing(now)
         self.carry_out_wanted()
