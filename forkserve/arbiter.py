@@ -30,7 +30,7 @@ from forkserve.lifecycle import Event, State, next_state
 from forkserve.logs import Log
 from forkserve.metrics import ENV as METRICS_ENV
 from forkserve.metrics import RELOADS_HELP, RESTARTS_HELP
-from forkserve.sockets import BindError, Listener, bind
+from forkserve.sockets import BindError, Listener, bind, refuse_new_connections
 from forkserve.status import ArbiterCollector, Answer, StatusServer, bind_status, rss_bytes
 from forkserve.workers import worker_class
 from forkserve.workers.base import WorkerSettings
@@ -285,6 +285,9 @@ class Arbiter:
             self.transition(Event.LAMEDUCK_OVER, "Stopped accepting; draining in-flight work",
                             live_numbers=True)
         for listener in self.listeners:
+            # New clients are refused from now on (their SYNs dropped until the port closes);
+            # the queue can only shrink, and the workers drain it, then close.
+            refuse_new_connections(listener)
             listener.sock.close()  # the workers hold the accept queue until they drained it
         now = time.monotonic()
         self.deadline = now + self.config.drain_timeout
@@ -605,6 +608,7 @@ class Arbiter:
                 return {"ok": False, "error": "not listening (paused or stopping)"}, []
             for listener in self.listeners:
                 listener.unix_path = None  # shared with the successor now: never unlink it
+                listener.shared = True  # nor make it refuse clients when we stop
             return ({"ok": True, "listeners": [l.name() for l in self.listeners]},
                     [l.fd for l in self.listeners])
         return {"ok": False, "error": f"unknown command {name!r}"}, []

@@ -162,7 +162,7 @@ def open_listeners(config: Config, handover: dict[str, Any] | None, log: Log) ->
         listeners = []
         for fd, name in activated:
             sock = socket.socket(fileno=fd)
-            listeners.append(adopt(sock, _describe(sock, name)))
+            listeners.append(adopt(sock, _describe(sock, name), shared=True))
         log.info("Using the sockets passed by the service manager; --bind is ignored",
                  listening=",".join(l.name() for l in listeners))
         return listeners

@@ -6,10 +6,12 @@ standard library.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import socket
 import stat
+import struct
 from dataclasses import dataclass
 
 
@@ -22,6 +24,9 @@ class Listener:
     sock: socket.socket
     address: str  # as configured: 127.0.0.1:8000, [::1]:8000, unix:/path, fd://3
     unix_path: str | None = None
+    # Another process keeps this socket open beyond our exit (a service manager's socket, an
+    # fd:// we were given, a successor we handed it to): never change its behaviour for good.
+    shared: bool = False
 
     @property
     def fd(self) -> int:
@@ -129,18 +134,55 @@ def _adopt(fd: int) -> socket.socket:
     return sock
 
 
+# A classic BPF socket filter: drop a segment that is a pure SYN (SYN set, ACK clear), keep
+# everything else. On a TCP listener the filter sees the TCP header at offset 0 (byte 13 holds
+# the flags), for IPv4 and IPv6 alike; handshakes already under way (their ACK) and the
+# connections already in the accept queue are untouched.
+_BPF_DROP_SYN = b"".join(struct.pack("HBBI", *op) for op in (
+    (0x30, 0, 0, 13),          # ldb [13]            the TCP flags
+    (0x54, 0, 0, 0x12),        # and #(SYN|ACK)
+    (0x15, 0, 1, 0x02),        # jeq #SYN, drop, keep
+    (0x06, 0, 0, 0),           # drop: ret #0
+    (0x06, 0, 0, 0xFFFFFFFF),  # keep: ret #-1
+))
+SO_ATTACH_FILTER = getattr(socket, "SO_ATTACH_FILTER", 26)
+
+
+def refuse_new_connections(listener: Listener) -> bool:
+    """Stop new clients from joining this listener's accept queue, while those already in it
+    are still accepted and served: the kernel drops new SYNs from now on (Linux; TCP only).
+
+    Closing a listener resets every connection still in its queue, and under steady load the
+    queue is never empty, so a stop that waits for it to empty never stops accepting, and one
+    that closes anyway resets clients. With new SYNs dropped the queue can only shrink: the
+    workers drain it and close. A client that tries meanwhile retransmits its SYN (after 1 s),
+    and by then the port is closed: it is refused (ECONNREFUSED), which every client and
+    balancer retries safely, instead of being accepted and reset. False where not applicable."""
+    sock = listener.sock
+    if listener.shared or sock.fileno() < 0 or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return False
+    program = ctypes.create_string_buffer(_BPF_DROP_SYN)
+    fprog = struct.pack("HL", len(_BPF_DROP_SYN) // 8, ctypes.addressof(program))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
+    except OSError:
+        return False
+    return True
+
+
 class AddressInUse(BindError):
     """The port is taken: a handoff (-sf/-st) may free it by pausing the old instance."""
 
 
-def adopt(sock: socket.socket, address: str, owned: bool = False) -> Listener:
+def adopt(sock: socket.socket, address: str, owned: bool = False, shared: bool = False) -> Listener:
     """A listening socket handed to us (upgrade, takeover, socket activation). Only an
     ``owned`` unix socket's path is removed at exit: under socket activation the path is the
-    service manager's, after a takeover it is shared with the instance we replaced."""
+    service manager's, after a takeover it is shared with the instance we replaced. A
+    ``shared`` socket stays open in another process after we exit (a service manager's)."""
     sock.setblocking(False)
     os.set_inheritable(sock.fileno(), False)
     path = address[5:] if address.startswith("unix:") and owned else None
-    return Listener(sock, address, path)
+    return Listener(sock, address, path, shared)
 
 
 def bind(addresses: list[str], backlog: int, reuse_port: bool = False,
@@ -160,7 +202,7 @@ def bind(addresses: list[str], backlog: int, reuse_port: bool = False,
                 path = os.path.abspath(address[5:])
                 listeners.append(Listener(_unix(path, backlog), address, path))
             elif address.startswith("fd://"):
-                listeners.append(Listener(_adopt(int(address[5:])), address))
+                listeners.append(Listener(_adopt(int(address[5:])), address, shared=True))
             else:
                 host, _, port = address.rpartition(":")
                 listeners.append(Listener(_tcp(host, int(port), backlog, reuse_port), address))
