@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import time
 from urllib.parse import parse_qs
 from wsgiref.validate import validator
 
@@ -85,6 +86,10 @@ def app(environ, start_response):
         # Held in flight until the test opens the FIFO for writing and closes it again.
         wait_gate(q["fifo"])
         return _text(start_response, "200 OK", "released")
+    if path == "/sleep":
+        # A request that takes a while (the workload of the load tests, not a test's wait).
+        time.sleep(int(q.get("ms", "200")) / 1000.0)
+        return _text(start_response, "200 OK", "slept\n")
     if path == "/big":
         size = int(q.get("size", "1000000"))
         return _text(start_response, "200 OK", b"x" * size)

@@ -6,28 +6,43 @@ have passed. Every request has its own timeout. It records the successes (status
 response body and when it arrived) and every failure with its exception or status, so a test can
 assert ``load.failures == []`` and look at which code answered when.
 
-Fresh connections on purpose: what a reload can break is the accept queue (a connection refused,
-or reset in a listener that closed), and every request here goes through it.
+Fresh connections by default: what a reload can break is the accept queue (a connection
+refused, or reset in a listener that closed), and every request goes through it. With
+``keepalive=True`` each thread keeps its connection for as long as the server does: what a
+reload can break then is a kept-alive connection closed under a request (an empty reply or a
+reset). A connection the server closed while it was idle (before we sent anything on it), or
+after a response that said ``Connection: close``, is reconnected without counting a failure;
+one closed after we sent a request is a failure.
+
+Failures are also kept by kind (``kinds``): refused, reset, empty, partial, timeout, 5xx,
+status (another non-200), other; a stop test may allow ``refused`` after the stop.
 """
 
 from __future__ import annotations
 
+import select
+import socket
 import threading
 import time
 from typing import Callable
 
-from tests.harness import get, wait_for
+from tests.harness import Response, get, read_response, wait_for
 
 
 class Load:
     def __init__(self, port: int, path: str = "/", threads: int = 4, seconds: float = 30.0,
-                 timeout: float = 5.0) -> None:
+                 timeout: float = 5.0, keepalive: bool = False) -> None:
         self.port = port
+        self.keepalive = keepalive
+        self.kinds: list[tuple[float, str]] = []  # (monotonic time, kind) of every failure
+        self.reconnects = 0  # keep-alive connections the server ended cleanly
+        self.began: list[float] = []  # when each successful request was begun
         self.path = path
         self.threads = threads
         self.seconds = seconds
         self.timeout = timeout
         self._stop = threading.Event()
+        self._local = threading.local()
         self._lock = threading.Lock()
         self.bodies: list[tuple[float, bytes]] = []  # (monotonic time of the response, body)
         self.failures: list[str] = []
@@ -45,19 +60,56 @@ class Load:
 
     def _run(self) -> None:
         deadline = self.started_at + self.seconds
+        self._local.sock: socket.socket | None = None
+        request = f"GET {self.path} HTTP/1.1\r\nHost: load\r\n\r\n".encode()
         while not self._stop.is_set() and time.monotonic() < deadline:
+            began = time.monotonic()
             try:
-                response = get(self.port, self.path, timeout=self.timeout)
-            except Exception as exc:  # noqa: BLE001 - every failure is recorded, none hidden
-                with self._lock:
-                    self.failures.append(f"{time.monotonic() - self.started_at:.3f}s {exc!r}")
-                continue
-            with self._lock:
-                if response.status == 200:
-                    self.bodies.append((time.monotonic(), response.body))
+                if self.keepalive:
+                    response = self._keepalive_request(request)
                 else:
-                    self.failures.append(f"{time.monotonic() - self.started_at:.3f}s "
-                                         f"status {response.status}: {response.body[:200]!r}")
+                    response = get(self.port, self.path, timeout=self.timeout)
+            except Exception as exc:  # noqa: BLE001 - every failure is recorded, none hidden
+                self._close()
+                self._fail(failure_kind(exc), repr(exc))
+                continue
+            if response.status == 200:
+                with self._lock:
+                    self.bodies.append((time.monotonic(), response.body))
+                    self.began.append(began)
+            else:
+                self._fail("5xx" if response.status >= 500 else "status",
+                           f"status {response.status}: {response.body[:200]!r}")
+        self._close()
+
+    def _keepalive_request(self, request: bytes) -> Response:
+        sock = self._local.sock  # type: ignore[has-type]
+        if sock is not None and closed_by_server(sock):
+            self._close()  # closed while idle, before we sent anything: not a failure
+            sock = None
+            with self._lock:
+                self.reconnects += 1
+        if sock is None:
+            sock = self._local.sock = socket.create_connection(("127.0.0.1", self.port), timeout=self.timeout)
+        sock.sendall(request)
+        response = read_response(sock, self.timeout)
+        if response.headers.get("connection", "").lower() == "close":
+            self._close()
+            with self._lock:
+                self.reconnects += 1
+        return response
+
+    def _close(self) -> None:
+        sock = getattr(self._local, "sock", None)
+        if sock is not None:
+            sock.close()
+            self._local.sock = None
+
+    def _fail(self, kind: str, detail: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.kinds.append((now, kind))
+            self.failures.append(f"{now - self.started_at:.3f}s {kind}: {detail}")
 
     def stop(self, timeout: float = 10.0) -> "Load":
         self._stop.set()
@@ -100,6 +152,13 @@ class Load:
             return next((b for b in self.since(after) if predicate(b)), None)
         return wait_for(find, timeout, what)  # type: ignore[no-any-return]
 
+    def failures_except(self, allowed: str, after: float) -> list[str]:
+        """The failures, less those of kind ``allowed`` that happened after ``after`` (say,
+        clients refused once the server stopped accepting)."""
+        with self._lock:
+            pairs = list(zip(self.kinds, self.failures))
+        return [text for (at, kind), text in pairs if not (kind == allowed and at > after)]
+
     @property
     def elapsed(self) -> float:
         end = self.stopped_at if self.stopped_at is not None else time.monotonic()
@@ -110,5 +169,37 @@ class Load:
         return self.successes / self.elapsed if self.elapsed > 0 else 0.0
 
     def summary(self) -> str:
-        return (f"{self.successes} ok, {len(self.failures)} failed in {self.elapsed:.1f}s "
-                f"({self.rate:.0f} req/s, {self.threads} client threads, a new connection each)")
+        how = "keep-alive" if self.keepalive else "a new connection each"
+        with self._lock:
+            kinds: dict[str, int] = {}
+            for _, kind in self.kinds:
+                kinds[kind] = kinds.get(kind, 0) + 1
+        return (f"{self.successes} ok, {len(self.failures)} failed {kinds or ''} in "
+                f"{self.elapsed:.1f}s ({self.rate:.0f} req/s, {self.threads} client threads, {how})")
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Has the server closed this idle connection (EOF or reset waiting, nothing sent yet)?"""
+    if not select.select([sock], [], [], 0)[0]:
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def failure_kind(exc: BaseException) -> str:
+    if isinstance(exc, ConnectionRefusedError):
+        return "refused"
+    if isinstance(exc, (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)):
+        return "reset"
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return "timeout"
+    text = str(exc)
+    if "before a full response head: b''" in text:
+        return "empty"
+    if "before a full response head" in text or "body truncated" in text:
+        return "partial"
+    return "other"

@@ -227,7 +227,8 @@ class Worker:
     # its request ends:
     #  - SIGWINCH (the arbiter's status asks) writes one atomic record of our counters;
     #  - TERM writes one atomic record (the arbiter learns this worker's live counters at
-    #    once), half-closes parked idle keep-alive connections, and, when the worker is inside a connection and its accept queues are empty,
+    #    once), half-closes parked idle keep-alive connections quiet for the close grace, and,
+    #    when the worker is inside a connection and its accept queues are empty,
     #    closes its own listening sockets, so new clients are refused now, not at the end of
     #    this request (no queued client can be reset: the queues are empty);
     #  - USR2 (the drain deadline) raises RequestCancelled inside the live request;
@@ -236,9 +237,13 @@ class Worker:
         if self.state in (WorkerState.BOOTING, WorkerState.RUNNING):
             self.state = WorkerState.STOPPING
         self.drain_reported = self.counters.draining()
-        for conn in self.parked:
-            conn.end_output()  # idle keep-alive clients see the close now (drain step 3)
+        self.close_quiet_parked()
         self._release_listeners()
+
+    def close_quiet_parked(self) -> None:
+        """Parked idle keep-alive connections (sync worker) that have been quiet for the close
+        grace and have nothing waiting are closed now (the client sees the end at once); the
+        others are answered or closed by the loop once the request in progress is done."""
 
     def _on_report(self, signum: int, frame: Any) -> None:
         """SIGWINCH: the arbiter wants live numbers (status); one atomic record, as on TERM."""
@@ -392,16 +397,33 @@ def drain_pipe(fd: int) -> None:
         return
 
 
-def accept_queue_empty(listener: Listener) -> bool:
-    """For a TCP listener, TCP_INFO's ``tcpi_unacked`` is the accept queue's length (Linux).
-    Unknown (a unix socket) counts as not empty: then the loop drains it after the request."""
-    if listener.sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return False
+def accept_queue_length(listener: Listener) -> int | None:
+    """For a TCP listener, TCP_INFO's ``tcpi_unacked`` is the accept queue's length (Linux);
+    None where it is unknown (a unix socket, a closed one)."""
+    if listener.sock.family not in (socket.AF_INET, socket.AF_INET6) or listener.sock.fileno() < 0:
+        return None
     try:
         info = listener.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
     except OSError:
-        return False
-    return bool(struct.unpack_from("I", info, 24)[0] == 0)
+        return None
+    return int(struct.unpack_from("I", info, 24)[0])
+
+
+def queued_clients(listeners: list[Listener]) -> int:
+    """How many clients wait in these listeners' accept queues now: what a stopping worker
+    may still take. Where a queue's length is unknown (a unix socket), its backlog bound."""
+    total = 0
+    for listener in listeners:
+        length = accept_queue_length(listener)
+        if length is None:
+            length = 0 if listener.sock.fileno() < 0 else socket.SOMAXCONN
+        total += length
+    return total
+
+
+def accept_queue_empty(listener: Listener) -> bool:
+    """Unknown (a unix socket) counts as not empty: then the loop drains it after the request."""
+    return accept_queue_length(listener) == 0
 
 
 def _set_title(title: str) -> None:

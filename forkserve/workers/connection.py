@@ -40,7 +40,7 @@ class Connection:
     __slots__ = ("sock", "fd", "remote", "parser", "events", "io_timeout", "exchange",
                  "continue_sent", "received", "_poll", "closed", "should_close", "released",
                  "interrupt_fd", "interrupted", "reading_head", "served", "cutoff", "owner",
-                 "waiting")
+                 "waiting", "idle_since", "output_ended")
 
     def __init__(self, sock: socket.socket, remote: tuple[str, str], limits: Limits,
                  io_timeout: float, interrupt_fd: int = -1,
@@ -67,6 +67,8 @@ class Connection:
         self.owner: Any = None  # the greenlet or thread serving it (gevent and thread workers)
         self.waiting = False  # inside _wait: the thread worker's stop pipe reaches it there
         self.cutoff: float | None = None  # a stopping worker's limit on this wait (Abandoned)
+        self.idle_since = 0.0  # monotonic time the last response ended (keep-alive idle)
+        self.output_ended = False  # end_output() was called: nothing more can be sent
         self.should_close = _never
 
     # -- waiting -------------------------------------------------------------------------
@@ -101,11 +103,14 @@ class Connection:
 
     def interrupt_on(self, fd: int) -> None:
         """Watch ``fd`` instead of the current interrupt fd (which stays readable once it
-        fired: a wait must not spin on it)."""
+        fired: a wait must not spin on it); -1 to watch none."""
+        if fd == self.interrupt_fd:
+            return
         if self._poll is not None:
             if self.interrupt_fd >= 0:
                 self._poll.unregister(self.interrupt_fd)
-            self._poll.register(fd, select.POLLIN)
+            if fd >= 0:
+                self._poll.register(fd, select.POLLIN)
         self.interrupt_fd = fd
 
     def readable_now(self) -> bool:
@@ -264,6 +269,7 @@ class Connection:
 
     def end_output(self) -> None:
         """Half-close: the client sees the end of the response now (finish_request)."""
+        self.output_ended = True
         try:
             self.sock.shutdown(socket.SHUT_WR)
         except OSError:

@@ -28,7 +28,7 @@ from forkserve.context import RequestCancelled
 from forkserve.sockets import Listener
 from forkserve.workers.base import HardStop, WorkerState, drain_pipe
 from forkserve.workers.connection import Abandoned, Connection
-from forkserve.workers.sync import NEW_CONNECTION_GRACE, SyncWorker
+from forkserve.workers.sync import SyncWorker
 
 RUNNING = WorkerState.RUNNING
 
@@ -61,10 +61,25 @@ class GeventWorker(SyncWorker):
 
     # -- serving -----------------------------------------------------------------------------
     def open_connection(self, sock: socket.socket, remote: tuple[str, str]) -> Connection:
-        conn = Connection(sock, remote, self.settings.limits, self.settings.header_timeout)
+        # Waits on a client also watch the stop pipe, written once when the worker stops: the
+        # wait itself applies the stop's graces (no kill racing a request that just arrived).
+        conn = Connection(sock, remote, self.settings.limits, self.settings.header_timeout,
+                          self.stop_r, self._stop_interrupted)
         conn.should_close = self._should_close
         conn.owner = self._gevent.getcurrent()
         return conn
+
+    def _stop_interrupted(self, conn: Connection) -> bool:
+        """The stop (or the cancel) pipe fired while this connection waited on its client."""
+        state = self.state
+        if conn.exchange is None and (state is WorkerState.CANCELLED or state is WorkerState.HALTING):
+            return True  # waiting for a request head at the deadline: nothing more is taken
+        # A request in the application is cancelled by its greenlet's kill (_g_cancel).
+        if state is not RUNNING:
+            self.stop_cutoff(conn)
+        # The stop pipe stays readable: watch the cancel pipe next (and nothing after it).
+        conn.interrupt_on(self.cancel_r if conn.interrupt_fd != self.cancel_r else -1)
+        return False
 
     def _should_close(self) -> bool:
         return self.state is not RUNNING or self.settings.keepalive <= 0
@@ -74,6 +89,8 @@ class GeventWorker(SyncWorker):
         from gevent.pool import Pool
 
         self.setup_http()
+        self.stop_r, self.stop_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.cancel_r, self.cancel_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         limit = min(self.worker_connections, self.max_connections or self.worker_connections)
         self.conn_pool = Pool(limit)
         self.acceptors = [gevent.spawn(self._acceptor, listener) for listener in self.listeners]
@@ -140,17 +157,21 @@ class GeventWorker(SyncWorker):
             self.turn_away(sock)
 
     def _wait_idle(self, conn: Connection) -> bool:
-        """Between requests: wait for the client in this greenlet, marked idle for the drain."""
+        """Between requests: wait for the client in this greenlet, marked idle for the drain
+        (which lets a request that arrives within the close grace in, see stop_cutoff)."""
         keepalive = self.settings.keepalive
-        if keepalive <= 0 or self.state is not RUNNING:
+        if keepalive <= 0 or self.state is WorkerState.CANCELLED or self.state is WorkerState.HALTING:
             return False
         conn.received = False
         conn.reading_head = True
         try:
-            conn.wait_readable(time.monotonic() + keepalive)
+            if self.state is not RUNNING:
+                self.stop_cutoff(conn)
+            conn.wait_readable(conn.idle_since + keepalive)
             return True
         except Exception:  # Timeout, or Abandoned at the drain: the connection ends, unless
-            return conn.readable_now()  # its next request is already here (then: answered)
+            # its next request is already here (then: answered, with Connection: close).
+            return self.state is not WorkerState.CANCELLED and conn.readable_now()
         finally:
             conn.reading_head = False
 
@@ -187,19 +208,14 @@ class GeventWorker(SyncWorker):
             self.state = WorkerState.STOPPING
         self.drain_reported = self.counters.draining()
         self._wake_acceptors()
-        now = time.monotonic()
-        for conn in list(self.connections):
-            if conn.reading_head and not conn.received:
-                if conn.served:
-                    conn.owner.kill(Abandoned, block=False)  # idle keep-alive: close now
-                else:
-                    # Just accepted and silent: a short grace for its first request.
-                    conn.cutoff = now + NEW_CONNECTION_GRACE
-                    self._gevent.spawn_later(NEW_CONNECTION_GRACE, self._abandon_if_silent, conn)
+        # Every wait on a client wakes and applies the stop's graces itself (_stop_interrupted).
+        self._write_once("stop_w")
 
-    def _abandon_if_silent(self, conn: Connection) -> None:
-        if conn in self.connections and conn.reading_head and not conn.received:
-            conn.owner.kill(Abandoned, block=False)
+    def _write_once(self, name: str) -> None:
+        fd = getattr(self, name, -1)
+        if fd >= 0:
+            setattr(self, name, -1)
+            os.write(fd, b"\0")  # never drained: the pipe stays readable
 
     def request_done(self) -> None:
         super().request_done()
@@ -223,12 +239,11 @@ class GeventWorker(SyncWorker):
         if self.state is not WorkerState.HALTING:
             self.state = WorkerState.CANCELLED
         self._wake_acceptors()
+        self._write_once("stop_w")
+        self._write_once("cancel_w")  # waits for a request head end (_stop_interrupted)
         for conn in list(self.connections):
-            exchange = conn.exchange
-            if exchange is not None or conn.released:
+            if conn.exchange is not None or conn.released:
                 self._cancel(conn)
-            elif conn.reading_head:
-                conn.owner.kill(Abandoned, block=False)
 
     def _cancel(self, conn: Connection) -> None:
         conn.owner.kill(RequestCancelled("cancelled: the drain timeout passed"), block=False)

@@ -19,13 +19,19 @@ from forkserve.context import CURRENT, RequestCancelled, RequestContext
 from forkserve.http import HTTPError, Request
 from forkserve.http.response import DateCache, reason_phrase, simple_response
 from forkserve.sockets import Listener
-from forkserve.workers.base import Worker, WorkerState
+from forkserve.workers.base import Worker, WorkerState, queued_clients
 from forkserve.workers.connection import Abandoned, Connection, Timeout
 from forkserve.wsgi import (ClientGone, ErrorStream, Exchange, FileWrapper, HeaderKeys, Input,
                             base_environ, build_environ)
 
 POLLIN = select.POLLIN
 NEW_CONNECTION_GRACE = 0.5  # seconds a silent new connection gets once the worker stops
+# Seconds an idle keep-alive connection must have been quiet before a stopping worker closes it.
+# Closing an idle connection races a request the client (a balancer reusing its connection)
+# may be sending right then: that request would be lost. So a stopping worker answers what
+# arrives within this grace (with Connection: close) and closes only connections that have
+# been quiet for it, which a client is unlikely to pick at that very moment.
+KEEPALIVE_CLOSE_GRACE = 0.5
 RUNNING = WorkerState.RUNNING
 
 
@@ -40,7 +46,9 @@ class SyncWorker(Worker):
         self.environs = {}
         for listener in self.listeners:
             name, port = listener.server_name_port()
-            self.environs[listener.fd] = base_environ(name, port, errors, self.multithread)
+            # By the listener itself, not its fd: a stopping worker closes its listeners while
+            # the connections it accepted from them are still being served (fd -1 by then).
+            self.environs[id(listener)] = base_environ(name, port, errors, self.multithread)
         self.connections: set[Connection] = set()
 
     def open_connection(self, sock: socket.socket, remote: tuple[str, str]) -> Connection:
@@ -88,11 +96,16 @@ class SyncWorker(Worker):
 
     def _drain_accept_queue(self) -> None:
         """On a graceful stop, serve the clients already queued in the kernel (each answered
-        with Connection: close) rather than let closing the listener reset them."""
-        while self.state is WorkerState.STOPPING:
+        with Connection: close) rather than let closing the listener reset them: as many as
+        were queued when we got here, never for as long as new ones keep arriving. On a full
+        stop the arbiter made the listeners refuse new clients (the queue only shrinks); on a
+        reload the new workers share the queue and serve whoever comes next."""
+        budget = queued_clients(self.listeners)
+        while self.state is WorkerState.STOPPING and budget > 0:
             accepted = self._accept()
             if accepted is None:
                 return
+            budget -= 1
             self._handle(*accepted)
 
     def _pause(self) -> None:
@@ -181,14 +194,28 @@ class SyncWorker(Worker):
         state = self.state
         if state is WorkerState.CANCELLED or state is WorkerState.HALTING:
             return True  # the deadline passed: nothing may keep this worker any longer
-        if state is not RUNNING and conn.reading_head and not conn.received:
-            if conn.served:
-                return True  # between requests: an idle keep-alive connection, closed now
+        if state is not RUNNING:
+            self.stop_cutoff(conn)
+        return False
+
+    def stop_cutoff(self, conn: Connection) -> None:
+        """The worker is stopping: how much longer a wait for a client's next request head may
+        last. Its request may be on the wire right now: never close under it at once."""
+        if conn.cutoff is not None or not conn.reading_head or conn.received:
+            return
+        if conn.served:
+            # Idle keep-alive: closed once it has been quiet for the grace.
+            conn.cutoff = conn.idle_since + KEEPALIVE_CLOSE_GRACE
+        else:
             # Just accepted and silent: its client may be about to send (a reload must not
             # drop it), or may be a pre-connect that never will. A short grace tells which.
-            if conn.cutoff is None:
-                conn.cutoff = time.monotonic() + NEW_CONNECTION_GRACE
-        return False
+            conn.cutoff = time.monotonic() + NEW_CONNECTION_GRACE
+
+    def close_quiet_parked(self) -> None:
+        now = time.monotonic()
+        for conn in self.parked:
+            if now - conn.idle_since >= KEEPALIVE_CLOSE_GRACE and not conn.readable_now():
+                conn.end_output()
 
     def _should_close(self) -> bool:
         """Asked as a response head is written: close rather than keep this client alive?"""
@@ -199,7 +226,7 @@ class SyncWorker(Worker):
     def _handle(self, sock: socket.socket, addr: Any, listener: Listener) -> None:
         settings = self.settings
         conn = self.open_connection(sock, remote_of(addr))
-        base = self.environs[listener.fd]
+        base = self.environs[id(listener)]
         counters = self.counters
         counters.active_connections += 1
         self.connections.add(conn)
@@ -228,7 +255,7 @@ class SyncWorker(Worker):
                     return
                 keep = self._serve(conn, request, base)
                 conn.served += 1
-                if not keep or self.state is not RUNNING:
+                if not keep:
                     linger = conn.has_unread()
                     return
                 if conn.events:
@@ -256,7 +283,7 @@ class SyncWorker(Worker):
         if keepalive <= 0:
             return False
         poller = self.main_poll
-        deadline = time.monotonic() + keepalive
+        deadline = conn.idle_since + keepalive
         while self.state is RUNNING:
             if self.listeners_changed:
                 self._forget_closed_listeners()
@@ -286,8 +313,26 @@ class SyncWorker(Worker):
                     self._handle(*newcomer)
                 finally:
                     self.parked.remove(conn)
-        # Stopping: if the client's next request is already here, answer it (with Connection:
-        # close) rather than close under it; otherwise close now (idle).
+        return self._wait_idle_stopping(conn, deadline)
+
+    def _wait_idle_stopping(self, conn: Connection, deadline: float) -> bool:
+        """Stopping with a kept-alive connection idle (its last response promised keep-alive
+        before the stop): a request that arrives within the close grace is answered (with
+        Connection: close); the connection closes once it has been quiet for the grace."""
+        if conn.output_ended:
+            return False  # half-closed at the stop (close_quiet_parked): done
+        deadline = min(deadline, conn.idle_since + KEEPALIVE_CLOSE_GRACE)
+        poller = select.poll()
+        poller.register(conn.fd, POLLIN)
+        poller.register(self.wakeup_r, POLLIN)
+        while self.state is WorkerState.STOPPING:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for fd, _ in poller.poll(remaining * 1000.0 + 1):
+                if fd == conn.fd:
+                    return True
+                self.handle_wakeups()
         return conn.readable_now()
 
     def _refuse(self, conn: Connection, status: int, reason: str) -> None:
@@ -369,7 +414,7 @@ class SyncWorker(Worker):
                     environ.get("HTTP_USER_AGENT"), started, duration, request_id)
         if self.spans is not None:
             self.spans.flush_if_due()
-        now = time.monotonic()
+        now = conn.idle_since = time.monotonic()
         if now >= self.next_heartbeat:
             self.heartbeat(now)
         return keep and not conn.released and conn.discard_body(request)

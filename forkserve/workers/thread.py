@@ -35,7 +35,8 @@ from forkserve.http import HTTPError
 from forkserve.sockets import Listener
 from forkserve.workers.base import WorkerState, drain_pipe
 from forkserve.workers.connection import Abandoned, Connection, Timeout
-from forkserve.workers.sync import NEW_CONNECTION_GRACE, SyncWorker, remote_of
+from forkserve.workers.sync import (KEEPALIVE_CLOSE_GRACE, NEW_CONNECTION_GRACE, SyncWorker,
+                                    remote_of)
 from forkserve.wsgi import ClientGone
 
 POLLIN = select.POLLIN
@@ -60,12 +61,10 @@ class ThreadWorker(SyncWorker):
             raise RequestCancelled("cancelled: the drain timeout passed")
         if state is WorkerState.CANCELLED or state is WorkerState.HALTING:
             return True
-        if state is not RUNNING and conn.reading_head and not conn.received and conn.served:
-            return True
-        if state is not RUNNING and conn.reading_head and not conn.received:
-            if conn.cutoff is None:
-                conn.cutoff = time.monotonic() + NEW_CONNECTION_GRACE
-        conn.interrupt_on(self.cancel_r)  # the stop pipe stays readable; the cancel is next
+        if state is not RUNNING:
+            self.stop_cutoff(conn)
+        # The stop pipe stays readable: watch the cancel pipe next (and nothing after it).
+        conn.interrupt_on(self.cancel_r if conn.interrupt_fd != self.cancel_r else -1)
         return False
 
     def _signal_stop(self) -> None:
@@ -81,7 +80,13 @@ class ThreadWorker(SyncWorker):
         Connection: close), so a response in progress at the drain never misses it."""
         if self.state is not RUNNING or self.settings.keepalive <= 0:
             return True
-        return bool(self.signal_poll.poll(0))
+        # A poll object per thread: one select.poll may not be polled by two threads at once
+        # (RuntimeError: concurrent poll() invocation, answered as a 500).
+        poller = getattr(self.signal_polls, "poll", None)
+        if poller is None:
+            poller = self.signal_polls.poll = select.poll()
+            poller.register(self.wakeup_r, POLLIN)
+        return bool(poller.poll(0))
 
     def serve(self) -> None:
         self.setup_http()
@@ -95,8 +100,7 @@ class ThreadWorker(SyncWorker):
         self.stop_r, self.stop_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.cancel_r, self.cancel_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.stop_signalled = False
-        self.signal_poll = select.poll()
-        self.signal_poll.register(self.wakeup_r, POLLIN)
+        self.signal_polls = threading.local()
         self.pool_threads = [threading.Thread(target=self._run, name=f"forkserve-request-{i}",
                                               daemon=True) for i in range(threads)]
         for thread in self.pool_threads:
@@ -107,6 +111,8 @@ class ThreadWorker(SyncWorker):
         for fd in (self.wakeup_r, self.alive_fd, self.back_r):
             self.poller.register(fd, POLLIN)
         self.listening = False
+        self.idle_stopped = False  # the stop's graces were applied to the idle connections
+        self.main_ident = threading.get_ident()
         try:
             self._loop_threads()
         finally:
@@ -173,11 +179,25 @@ class ThreadWorker(SyncWorker):
             conn = self.open_connection(sock, remote_of(addr))
             self.counters.active_connections += 1
             self.connections.add(conn)
-            self.work.put((conn, listener))
+            # A thread takes it once its client has sent something: a client that connects
+            # ahead of time (browsers, Go's and other pools do) must not hold a thread while
+            # the clients that did send wait behind it.
+            now = time.monotonic()
+            deadline = now + self.settings.header_timeout
+            if self.state is not RUNNING:
+                deadline = min(deadline, now + NEW_CONNECTION_GRACE)
+            self._wait_for_client(conn, listener, deadline)
+
+    def _wait_for_client(self, conn: Connection, listener: Listener, deadline: float) -> None:
+        """The main thread watches ``conn`` until its client sends (then a thread serves it)
+        or ``deadline`` passes (then it is closed)."""
+        self.idle[conn.fd] = (conn, listener, deadline)
+        self.poller.register(conn.fd, POLLIN)
 
     def _stop_listening(self, state: WorkerState) -> None:
         """Stopping or pausing: clients already queued are served (or, past the deadline,
-        turned away with a 503), then our listeners close; idle keep-alive ones close."""
+        turned away with a 503), then our listeners close. Connections waiting for their
+        client's next request get the stop's graces (see stop_deadline)."""
         if any(l.sock.fileno() >= 0 for l in self.listeners):
             self._listen(False)
             for listener in self.listeners:
@@ -191,14 +211,23 @@ class ThreadWorker(SyncWorker):
                 listener.sock.close()
             self.pause_requested = False
             self.listener_fds = {}
-        if state is not RUNNING:
+        if state is not RUNNING and not self.idle_stopped:
+            self.idle_stopped = True
+            for fd, (conn, listener, deadline) in list(self.idle.items()):
+                self.idle[fd] = (conn, listener, self.stop_deadline(conn, deadline))
+        if state is WorkerState.CANCELLED:
             for fd in list(self.idle):
-                conn, listener, _ = self.idle.pop(fd)
+                conn = self.idle.pop(fd)[0]
                 self.poller.unregister(fd)
-                if conn.readable_now():
-                    self.work.put((conn, listener))  # its next request is here: answer it
-                else:
-                    self._release(conn)
+                self._release(conn)
+
+    def stop_deadline(self, conn: Connection, deadline: float) -> float:
+        """A stopping worker's limit on waiting for a connection's next request: the close
+        grace for an idle keep-alive one (a request may be on its way), a short grace for
+        one just accepted and silent."""
+        if conn.served:
+            return min(deadline, conn.idle_since + KEEPALIVE_CLOSE_GRACE)
+        return min(deadline, time.monotonic() + NEW_CONNECTION_GRACE)
 
     def _take_back(self) -> None:
         drain_pipe(self.back_r)
@@ -207,11 +236,14 @@ class ThreadWorker(SyncWorker):
                 conn, listener = self.back.get_nowait()
             except queue.Empty:
                 return
-            if self.state is not RUNNING:
+            if self.state is WorkerState.CANCELLED or self.state is WorkerState.HALTING:
                 self._release(conn)
                 continue
-            self.idle[conn.fd] = (conn, listener, time.monotonic() + self.settings.keepalive)
-            self.poller.register(conn.fd, POLLIN)
+            deadline = conn.idle_since + self.settings.keepalive
+            if self.state is not RUNNING:
+                # Its last response promised keep-alive before the stop: the close grace.
+                deadline = self.stop_deadline(conn, deadline)
+            self._wait_for_client(conn, listener, deadline)
 
     def _expire_idle(self, now: float) -> None:
         for fd, (conn, _, deadline) in list(self.idle.items()):
@@ -226,6 +258,14 @@ class ThreadWorker(SyncWorker):
         if not conn.released:  # finish_request() already counted it out
             self.counters.active_connections -= 1
         self.report()
+        if threading.get_ident() != self.main_ident:
+            self._wake_main()  # a stopping worker leaves when its last connection is gone
+
+    def _wake_main(self) -> None:
+        try:
+            os.write(self.back_w, b"\0")
+        except BlockingIOError:
+            return  # the pipe is full: the loop has wake-ups pending already
 
     # -- pool threads ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -245,10 +285,7 @@ class ThreadWorker(SyncWorker):
             conn.owner = None
             if keep:
                 self.back.put((conn, listener))
-                try:
-                    os.write(self.back_w, b"\0")
-                except BlockingIOError:
-                    continue  # the pipe is full: the loop has wake-ups pending already
+                self._wake_main()
             else:
                 # Linger only where the client may still be sending (a refused request,
                 # unread pipelined bytes): closing then would reset it.
@@ -256,7 +293,7 @@ class ThreadWorker(SyncWorker):
 
     def _serve_ready(self, conn: Connection, listener: Listener) -> bool:
         """Serve what the client sent; True to hand the connection back as idle."""
-        base = self.environs[listener.fd]
+        base = self.environs[id(listener)]
         header_timeout = self.settings.header_timeout
         while True:
             try:
@@ -278,10 +315,10 @@ class ThreadWorker(SyncWorker):
                 return False
             keep = self._serve(conn, request, base)
             conn.served += 1
-            if not keep or self.state is not RUNNING:
+            if not keep:
                 return False
             if not conn.events:
-                return True
+                return True  # idle: back to the main thread (which applies a stop's grace)
 
     # -- cancellation ------------------------------------------------------------------------
     def _on_cancel(self, signum: int, frame: Any) -> None:

@@ -25,6 +25,8 @@ from urllib.parse import urlencode
 
 import pytest
 
+from forkserve.workers.sync import KEEPALIVE_CLOSE_GRACE
+
 from tests.harness import (Gate, Server, closed_without_response, get, open_fds, read_head,
                            read_json_file, read_response,
                            refused, send_get, wait_for)
@@ -719,13 +721,17 @@ def test_second_term_is_not_a_hard_stop(scenario: Any, gates: Any, worker_class:
 def test_parked_keepalive_connection_closed_at_drain_start(scenario: Any, gates: Any,
                                                            worker_class: str) -> None:
     """The sync worker's idle connection that it set aside ("parked") to serve a newcomer is
-    idle all the same: ARCHITECTURE.md says idle keep-alive connections are closed at once."""
+    idle all the same: once it has been quiet for the close grace, the stop closes it at once,
+    though the worker is busy with the newcomer."""
     s = scenario(worker_class, "--keepalive", "30", workers=1)
     idle = s.track(send_get(s.port, s.target("/"), close=False))
     assert read_response(idle).status == 200
     gate = gates()
     busy = s.held(gate)  # the worker holding `idle` takes this newcomer
     try:
+        # Time itself is what is waited for here: the idle connection must have been quiet
+        # for the close grace before the stop, so that no request can be on its way on it.
+        time.sleep(KEEPALIVE_CLOSE_GRACE + 0.1)
         t0 = s.signal()
         assert closed_within(idle, 3), \
             f"the parked idle connection stayed open {time.monotonic() - t0:.2f}s into the drain"
@@ -735,6 +741,35 @@ def test_parked_keepalive_connection_closed_at_drain_start(scenario: Any, gates:
         gate.release()
     with busy:
         assert read_response(busy).status == 200
+    s.wait_exit(10)
+    expect_access_lines(s, {t: 200 for t in s.sent})
+
+
+@by_worker_class
+def test_request_waiting_on_a_parked_connection_at_term_is_answered(scenario: Any, gates: Any,
+                                                                   worker_class: str) -> None:
+    """Issue 10: client A keeps its connection, B's held request makes the sync worker park
+    A, A sends its next request, TERM. The app runs A's request: A must get its answer (it
+    used to get EOF, the response thrown away), with Connection: close."""
+    s = scenario(worker_class, "--keepalive", "30", workers=1)
+    idle = s.track(send_get(s.port, s.target("/"), close=False))
+    assert read_response(idle).status == 200
+    gate = gates()
+    busy = s.held(gate)  # the worker holding `idle` takes this newcomer
+    try:
+        second = s.target("/")
+        idle.sendall(f"GET {second} HTTP/1.1\r\nHost: test\r\n\r\n".encode())
+        s.signal()
+        s.server.wait_log("Received shutdown signal")
+    finally:
+        gate.release()
+    with busy:
+        assert read_response(busy).status == 200
+    response = read_response(idle)
+    assert response.status == 200 and response.body == b"hello\n", response
+    if worker_class == "sync":  # the others answered it at once, before the stop
+        assert response.headers.get("connection") == "close", response.headers
+    assert closed_within(idle, 5)
     s.wait_exit(10)
     expect_access_lines(s, {t: 200 for t in s.sent})
 
