@@ -1,9 +1,11 @@
-"""Zero-downtime reloads under load: 20 HUPs in a row, and USR2 in-place upgrades.
+"""Zero-downtime reloads under load: 20 HUPs in a row, and USR2 in-place upgrades, on every
+worker class, with clients that open a new connection per request and with keep-alive clients.
 
 The app (``tests.apps_reload``) answers ``VERSION PID`` with the version read from a file at
 import, so every response tells which code and which worker served it. The load
-(``tests.load.Load``) uses a fresh connection per request: a refused or reset connection during a
-reload is a failure.
+(``tests.load.Load``): with a fresh connection per request a refused or reset connection during a
+reload is a failure; with keep-alive, a kept connection closed under a request (an empty reply,
+a reset) is one too.
 """
 
 from __future__ import annotations
@@ -15,11 +17,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.harness import worker_set, Server, get, open_fds, wait_for
 from tests.load import Load
 
 APP = "tests.apps_reload:app"
 THREADS = 4
+CLASS_ARGS = {"sync": (), "thread": ("-k", "thread", "--threads", "4"), "gevent": ("-k", "gevent")}
+by_worker_class = pytest.mark.parametrize("worker_class", list(CLASS_ARGS))
+by_clients = pytest.mark.parametrize("keepalive", [False, True], ids=["close", "keepalive"])
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -70,13 +77,16 @@ def report(name: str, load: Load) -> None:
 
 # -- HUP ----------------------------------------------------------------------------------------
 
-def test_twenty_hups_under_load(server_factory: Any, tmp_path: Path) -> None:
+@by_worker_class
+@by_clients
+def test_twenty_hups_under_load(server_factory: Any, tmp_path: Path, worker_class: str,
+                                keepalive: bool) -> None:
     version = tmp_path / "version"
     version.write_text("v0")
-    server = start(server_factory, version)
+    server = start(server_factory, version, *CLASS_ARGS[worker_class])
     current = "v0"
     expected = {pid: current for pid in worker_set(server, 2)}
-    load = Load(server.port, threads=THREADS, seconds=90).start()
+    load = Load(server.port, threads=THREADS, seconds=90, keepalive=keepalive).start()
     try:
         load.wait_requests(20)
         for n in range(1, 21):
@@ -95,7 +105,7 @@ def test_twenty_hups_under_load(server_factory: Any, tmp_path: Path) -> None:
             assert version_of(body) == current
     finally:
         load.stop()
-    report("HUP x20", load)
+    report(f"HUP x20 {worker_class}", load)
     assert load.failures == [], f"{load.summary()}: {load.failures[:20]}"
     check_versions(load, expected)
     assert server.count_log("Reload complete") == 20
@@ -107,14 +117,17 @@ def test_twenty_hups_under_load(server_factory: Any, tmp_path: Path) -> None:
 
 # -- USR2 ---------------------------------------------------------------------------------------
 
-def test_usr2_upgrades_in_place_under_load(server_factory: Any, tmp_path: Path) -> None:
+@by_worker_class
+@by_clients
+def test_usr2_upgrades_in_place_under_load(server_factory: Any, tmp_path: Path, worker_class: str,
+                                           keepalive: bool) -> None:
     version = tmp_path / "version"
     version.write_text("v1")
-    server = start(server_factory, version)
+    server = start(server_factory, version, *CLASS_ARGS[worker_class])
     first = server.wait_log("Starting forkserve")
     expected = {pid: "v1" for pid in worker_set(server, 2)}
     fd_counts = []
-    load = Load(server.port, threads=THREADS, seconds=60).start()
+    load = Load(server.port, threads=THREADS, seconds=60, keepalive=keepalive).start()
     try:
         load.wait_requests(20)
         for n, new_version in enumerate(["v2", "v3"], 1):
@@ -138,7 +151,7 @@ def test_usr2_upgrades_in_place_under_load(server_factory: Any, tmp_path: Path) 
             fd_counts.append(len(open_fds(server.pid)))
     finally:
         load.stop()
-    report("USR2 x2", load)
+    report(f"USR2 x2 {worker_class}", load)
     assert load.failures == [], f"{load.summary()}: {load.failures[:20]}"
     check_versions(load, expected)
     # The same process, and nothing leaked across exec: the second upgrade ends where the first did.
