@@ -540,6 +540,9 @@ class Arbiter:
         self.paused = True
         self.paused_addresses = [l.name() for l in self.listeners]
         for listener in self.listeners:
+            # As at a stop: the queue only shrinks (new clients wait for the port's next
+            # owner), so the workers can drain it and free the port while clients keep coming.
+            refuse_new_connections(listener)
             listener.close(unlink=False)
         self.listeners = []
         if self.status_server is not None and self.status_server.sock.fileno() >= 0:

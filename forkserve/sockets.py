@@ -170,6 +170,20 @@ def refuse_new_connections(listener: Listener) -> bool:
     return True
 
 
+def refusing_new_connections(listener: Listener) -> bool:
+    """Did a process holding this socket (our arbiter, at a full stop) make it refuse new
+    clients? A worker then knows it is among the last holders: nobody else will serve the
+    clients queued there. (With SO_GET_FILTER an int-sized answer is too small for any filter.)"""
+    sock = listener.sock
+    if sock.fileno() < 0 or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return False
+    try:
+        sock.getsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER)  # SO_GET_FILTER: the same number
+    except OSError as exc:
+        return exc.errno == errno.EINVAL
+    return False
+
+
 class AddressInUse(BindError):
     """The port is taken: a handoff (-sf/-st) may free it by pausing the old instance."""
 

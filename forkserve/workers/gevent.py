@@ -127,7 +127,8 @@ class GeventWorker(SyncWorker):
             self._accept_ready(listener)
         # Stopping: serve the clients already queued (none is reset), then stop listening;
         # past the deadline they get a 503 instead. Retiring (max-requests) takes no more.
-        if self.state is WorkerState.STOPPING and not self.retire_reason or self.pause_requested:
+        if self.state is WorkerState.STOPPING and self.takes_queue(listener) or (
+                self.state is RUNNING and self.pause_requested):
             self._accept_ready(listener)
         elif self.state is WorkerState.CANCELLED:
             self._turn_away(listener)

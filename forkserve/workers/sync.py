@@ -18,7 +18,7 @@ from typing import Any
 from forkserve.context import CURRENT, RequestCancelled, RequestContext
 from forkserve.http import HTTPError, Request
 from forkserve.http.response import DateCache, reason_phrase, simple_response
-from forkserve.sockets import Listener
+from forkserve.sockets import Listener, refusing_new_connections
 from forkserve.workers.base import Worker, WorkerState, queued_clients
 from forkserve.workers.connection import Abandoned, Connection, Timeout
 from forkserve.wsgi import (ClientGone, ErrorStream, Exchange, FileWrapper, HeaderKeys, Input,
@@ -96,17 +96,35 @@ class SyncWorker(Worker):
 
     def _drain_accept_queue(self) -> None:
         """On a graceful stop, serve the clients already queued in the kernel (each answered
-        with Connection: close) rather than let closing the listener reset them: as many as
-        were queued when we got here, never for as long as new ones keep arriving. On a full
-        stop the arbiter made the listeners refuse new clients (the queue only shrinks); on a
-        reload the new workers share the queue and serve whoever comes next."""
-        budget = queued_clients(self.listeners)
-        while self.state is WorkerState.STOPPING and budget > 0:
-            accepted = self._accept()
-            if accepted is None:
-                return
-            budget -= 1
-            self._handle(*accepted)
+        with Connection: close) rather than let closing the listener reset them (see
+        takes_queue for which queues are ours to serve). One at a time, as the other
+        workers do: the queue is shared fairly, so it empties soonest. New clients keep
+        coming, but none joins a queue the arbiter made refuse them, so this ends; the bound
+        is for a unix socket's queue, which cannot refuse them."""
+        for listener in self.listeners:
+            if self.takes_queue(listener):
+                budget = queued_clients([listener]) + socket.SOMAXCONN
+                while budget > 0 and self.state is WorkerState.STOPPING:
+                    client = self.accept_from(listener)
+                    if client is None:
+                        break
+                    budget -= 1
+                    self._handle(*client, listener)
+            listener.sock.close()
+
+    def takes_queue(self, listener: Listener) -> bool:
+        """Stopping: must this worker serve the clients queued on ``listener``? Yes when the
+        arbiter made it refuse new clients (a full stop: no one else will serve them), or
+        where that cannot be told (a unix socket); no while it still admits clients (a
+        reload, max-requests, a handoff, a service manager's socket: whoever stays serves
+        the queue, and closing our copy of the socket loses nothing)."""
+        if listener.sock.fileno() < 0:
+            return False
+        if self.retire_reason:
+            return False
+        if listener.sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return True
+        return refusing_new_connections(listener)
 
     def _pause(self) -> None:
         """TTOU: serve the clients already queued, then close every listener of ours."""

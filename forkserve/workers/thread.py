@@ -205,7 +205,8 @@ class ThreadWorker(SyncWorker):
                     continue
                 if state is WorkerState.CANCELLED:
                     self._turn_away_queue()
-                elif state is not WorkerState.HALTING and not self.retire_reason:
+                elif state is WorkerState.STOPPING and self.takes_queue(listener) or (
+                        state is RUNNING and self.pause_requested):
                     self.limit = 1 << 30  # the queue is served whatever the limit
                     self._accept_into_pool(listener)
                 listener.sock.close()

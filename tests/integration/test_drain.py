@@ -228,9 +228,10 @@ def test_requests_in_flight_at_term_complete_with_full_bodies(scenario: Any, gat
     # Watched in /proc/net/tcp, not by connecting: a probe that lands between the signal and
     # the workers' closing of their listeners would be a queued client, which keeps the
     # listener open (see test_client_queued_at_term_is_not_reset_at_the_deadline).
-    wait_for(lambda: not listening(s.port), 1.5, "the listening socket to close after TERM")
+    # Closed while all three requests are still held in the app (the gates are closed): not
+    # at the end of the drain. A bound in time would only measure how loaded the machine is.
+    wait_for(lambda: not listening(s.port), 5, "the listening socket to close after TERM")
     assert refused(s.port)
-    assert time.monotonic() - t0 < 1.5
     record = s.record(DRAINING)
     assert record["in_flight_requests"] == 3, record
     assert record["active_connections"] == 3, record
