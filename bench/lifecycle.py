@@ -62,7 +62,7 @@ if str(ROOT) not in sys.path:
 
 from bench.apps_lifecycle import EXPECTED  # noqa: E402
 from bench.lifecycle_client import KINDS, Load, Tally, probe  # noqa: E402
-from bench.lifecycle_servers import WORKERS, Instance, Procs, alive, wait_exit  # noqa: E402
+from bench.lifecycle_servers import WORKERS, Gunicorn, Instance, Procs, alive, wait_exit  # noqa: E402
 from forkserve.control import request as control_request  # noqa: E402
 from tests.harness import children, process_group, wait_for  # noqa: E402
 
@@ -108,6 +108,8 @@ class Cell:
     ok: int = 0
     failures: dict[str, int] = field(default_factory=dict)
     lost: int = 0  # failures not explained by a window
+    max_latency: float = 0.0
+    slow: int = 0  # requests over 1 s
     exit_code: int | None = None
     exit_after_event: float | None = None
     exit_after_last_response: float | None = None
@@ -209,7 +211,8 @@ def ev_hup(ctx: Context, n: int) -> None:
         time.sleep(0.5)  # the issue's spacing, not a synchronisation
     if ctx.instance.kind == "forkserve":
         ctx.wait_count("Reload complete", 1, 20)
-        ctx.note(f"{ctx.count('Reload complete')} reloads completed of {n} HUPs")
+        ctx.note(f"{ctx.count('Reload complete')} reloads completed, {ctx.count('Reload ignored')} "
+                 f"HUPs ignored (one in progress), of {n}")
     ctx.settle()
 
 
@@ -222,26 +225,22 @@ def ev_usr2(ctx: Context, n: int) -> None:
         time.sleep(1.0)  # the issue's spacing
     ctx.wait_count("Upgrade complete", 1, 30)
     ctx.settle()
-    ctx.note(f"{ctx.count('Upgrade complete')} upgrades completed of {n} USR2s")
+    ctx.note(f"{ctx.count('Upgrade complete')} upgrades completed, {ctx.count('Upgrade ignored')} "
+             f"USR2s ignored (one in progress), of {n}")
 
 
 def gunicorn_usr2(ctx: Context, n: int) -> None:
-    """gunicorn's documented upgrade: USR2 starts a new master (the old one renames its pidfile
-    to .oldbin); once the new master's workers serve, TERM the old master."""
+    """gunicorn's documented upgrade: USR2 starts a new master (it logs ``Listening at`` with
+    its pid); once the new master's workers serve, TERM the old master."""
     instance = ctx.instance
-    assert instance.pidfile is not None
+    server = instance.server
+    assert isinstance(server, Gunicorn)
     for i in range(n):
         old = instance.master
         ctx.mark()
         os.kill(old, signal.SIGUSR2)
-
-        def new_master() -> int | None:
-            try:
-                pid = int(instance.pidfile.read_text().strip())  # type: ignore[union-attr]
-            except (OSError, ValueError):
-                return None
-            return pid if pid != old else None
-        new = wait_for(new_master, 30, "gunicorn's new master")
+        new = wait_for(lambda: len(server.masters()) > i + 1 and server.masters()[i + 1], 30,
+                       "gunicorn's new master")
         wait_for(lambda: len(set(children(new))) >= WORKERS, 30,
                  "the new master's workers")
         wait_for(lambda: probe(ctx.port, "/readyz", 2.0).pid in set(children(new)),
@@ -367,8 +366,18 @@ def ev_kill_worker(ctx: Context, n: int) -> None:
         os.kill(workers[0], signal.SIGKILL)
         ctx.cell.windows.append(Window(frozenset({"reset", "empty", "partial"}), at,
                                        at + KILL_WINDOW, ctx.cell.concurrency))
-        ctx.cell.__dict__.setdefault("_kills", []).append((at, before))
-        time.sleep(2.0)  # spacing, and the window in which the replacement must serve
+        # The load's keep-alive connections may all stay with the surviving worker, so fresh
+        # connections look for the replacement too (bounded; the load's sightings count too).
+        seen = None
+        deadline = at + 2.0
+        while seen is None and time.monotonic() < deadline:
+            answer = probe(ctx.port, "/readyz", 1.0)
+            if answer.pid is not None and answer.pid not in before:
+                seen = time.monotonic()
+            else:
+                time.sleep(0.005)
+        ctx.cell.__dict__.setdefault("_kills", []).append((at, before, seen))
+        time.sleep(max(0.0, deadline - time.monotonic()))  # spacing between kills
         ctx.settle()
 
 
@@ -432,6 +441,8 @@ def run_cell(cell: Cell, tmp: Path, warmup: int | None = None) -> Cell:
 def judge(cell: Cell, tally: Tally) -> None:
     cell.sent = tally.sent
     cell.ok = tally.counts["ok"]
+    cell.max_latency = round(tally.max_latency, 3)
+    cell.slow = tally.slow
     cell.failures = {k: tally.counts[k] for k in KINDS if tally.counts[k]}
     used = [0] * len(cell.windows)
     lost = 0
@@ -454,8 +465,9 @@ def judge(cell: Cell, tally: Tally) -> None:
         refused = [t for t in tally.failure_times.get("refused", []) if t >= cell.event_at]
         if refused:
             cell.accept_stop = min(refused) - cell.event_at
-    for at, before in cell.__dict__.pop("_kills", []):
+    for at, before, seen in cell.__dict__.pop("_kills", []):
         new = [t for pid, t in tally.pids.items() if pid not in before and t >= at]
+        new += [seen] if seen is not None else []
         cell.replacement.append(min(new) - at if new else None)
 
 
@@ -522,6 +534,7 @@ def fmt_side(cell: Cell | None) -> str:
             extra.append(f"after_last={cell.exit_after_last_response * 1000:.0f}ms")
         extra.append("accept_stop=" + (f"{cell.accept_stop * 1000:.0f}ms" if cell.accept_stop is not None
                                        else "never"))
+    extra.append(f"max={cell.max_latency * 1000:.0f}ms" + (f" slow={cell.slow}" if cell.slow else ""))
     if cell.replacement:
         extra.append("replaced=" + ",".join("none" if r is None else f"{r * 1000:.0f}ms"
                                             for r in cell.replacement))
@@ -537,22 +550,22 @@ def print_row(fs: Cell | None, gu: Cell | None, servers: list[str]) -> None:
         sides.append(fmt_side(fs))
     if "gunicorn" in servers:
         sides.append(fmt_side(gu))
-    print(f"{ref.name:<34} | " + " | ".join(sides), flush=True)
+    print(f"{ref.name:<40} | " + " | ".join(sides), flush=True)
     for cell in (fs, gu):
         if cell is None:
             continue
         for note in cell.notes:
-            print(f"{'':34} |   {cell.server}: {note}", flush=True)
+            print(f"{'':40} |   {cell.server}: {note}", flush=True)
         if cell.error:
-            print(f"{'':34} |   {cell.server} error: {cell.error}", flush=True)
+            print(f"{'':40} |   {cell.server} error: {cell.error}", flush=True)
         for sample in cell.samples[:3] if cell.lost else []:
-            print(f"{'':34} |   {cell.server} e.g. {sample}", flush=True)
+            print(f"{'':40} |   {cell.server} e.g. {sample}", flush=True)
 
 
 def header(servers: list[str]) -> str:
     side = f"{'sent':>7} {'ok':>7}  {'lost':<10} {'failures by kind':<28} {'exit / timing':<44} verdict"
     names = "  ".join(f"[{s}]" for s in servers)
-    return f"{'cell (class event clients app)':<34} | " + " | ".join(side for _ in servers) + f"\n{names}"
+    return f"{'cell (class event clients app)':<40} | " + " | ".join(side for _ in servers) + f"\n{names}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,6 +47,7 @@ from typing import Any
 KINDS = ("refused", "reset", "empty", "5xx", "timeout", "partial", "other")
 MAX_SAMPLES = 2000  # failure details kept per process (the counts are always complete)
 REFUSED_PAUSE = 0.01
+SLOW = 1.0  # a request slower than this is counted as slow (a stall, e.g. a SYN retransmit)
 
 
 class Failure(Exception):
@@ -207,9 +208,13 @@ class Tally:
     pids: dict[int, float] = field(default_factory=dict)  # worker pid -> first response at
     last_ok: float = 0.0
     first_refused: float = 0.0
+    max_latency: float = 0.0  # the slowest request, connect to last byte, whatever its outcome
+    slow: int = 0  # requests that took over SLOW seconds
 
-    def add(self, result: Result, at: float) -> None:
+    def add(self, result: Result, at: float, began: float) -> None:
         self.counts[result.kind] += 1
+        self.max_latency = max(self.max_latency, at - began)
+        self.slow += at - began > SLOW
         if result.kind == "ok":
             self.last_ok = max(self.last_ok, at)
         else:
@@ -229,6 +234,8 @@ class Tally:
         for kind, times in other.failure_times.items():
             self.failure_times.setdefault(kind, []).extend(times)
         self.reconnects += other.reconnects
+        self.max_latency = max(self.max_latency, other.max_latency)
+        self.slow += other.slow
         for pid, at in other.pids.items():
             self.pids[pid] = min(at, self.pids.get(pid, at))
         self.last_ok = max(self.last_ok, other.last_ok)
@@ -245,6 +252,7 @@ def client_thread(port: int, keepalive: bool, expected: bytes, timeout: float, d
             sock = None
             with lock:
                 tally.reconnects += 1
+        began = time.monotonic()
         try:
             if sock is None:
                 try:
@@ -263,7 +271,7 @@ def client_thread(port: int, keepalive: bool, expected: bytes, timeout: float, d
                 sock.close()
             sock = None
         with lock:
-            tally.add(result, at)
+            tally.add(result, at, began)
         with progress.get_lock():
             progress.value += 1 if result.kind == "ok" else 1 << 32
         if result.kind == "refused":

@@ -73,10 +73,12 @@ def alive(pid: int) -> bool:
 class Gunicorn(Server):
     """gunicorn's master as a harness ``Server``: its text log read the same way."""
 
-    def __init__(self, worker_class: str, app: str, *extra: str, pidfile: Path) -> None:
+    def __init__(self, worker_class: str, app: str, *extra: str) -> None:
         script = Path(sys.executable).parent / "gunicorn"
+        # gunicorn 24+ opens a control socket at one path in $HOME by default: two instances
+        # (parallel cells, or the new master of a USR2) would fight over it.
         argv = [str(script) if script.exists() else "gunicorn", "-b", "127.0.0.1:0",
-                "-w", str(WORKERS), "-k", GUNICORN_CLASS[worker_class], "--pid", str(pidfile)]
+                "-w", str(WORKERS), "-k", GUNICORN_CLASS[worker_class], "--no-control-socket"]
         if worker_class == "thread":
             argv += ["--threads", str(THREADS)]
         argv += [*extra, app]
@@ -91,18 +93,24 @@ class Gunicorn(Server):
             self._port = int(match.group(1))
         return self._port
 
+    def count_log(self, message: str) -> int:
+        with self._lock:
+            return sum(1 for line in self.lines if message in line)
+
+    def masters(self) -> list[int]:
+        """Every master that logged ``Listening at`` (the first, then each USR2's), in order."""
+        return [int(m) for m in re.findall(r"Listening at: \S+ \((\d+)\)", self.log_text())]
+
 
 class Instance:
     """One running server: its master (which, after gunicorn's USR2, is not the process we
     started), ports, control socket."""
 
-    def __init__(self, kind: str, server: Server, control: Path | None = None,
-                 pidfile: Path | None = None) -> None:
+    def __init__(self, kind: str, server: Server, control: Path | None = None) -> None:
         self.kind = kind
         self.server = server
         self.master = server.pid
         self.control = control
-        self.pidfile = pidfile
 
     @property
     def port(self) -> int:
@@ -154,11 +162,9 @@ class Procs:
         return Instance("forkserve", server, control)
 
     def gunicorn(self, worker_class: str, app: str, *extra: str) -> Instance:
-        self.sequence += 1
-        pidfile = self.tmp / f"gu{self.sequence}.pid"
-        server = Gunicorn(worker_class, APPS[app], *extra, pidfile=pidfile)
+        server = Gunicorn(worker_class, APPS[app], *extra)
         self.servers.append(server)
-        return Instance("gunicorn", server, pidfile=pidfile)
+        return Instance("gunicorn", server)
 
     def haproxy(self, backend_port: int, check_port: int) -> int:
         """A real HAProxy in front of the server; returns its frontend port once it serves."""
