@@ -35,8 +35,10 @@ Apps (``bench/apps_lifecycle.py``): ``hello`` (examples/hello.py), ``sleep`` (20
 
 Judging (the issue's pass criteria): every failure is a lost request, except
 - term: ``refused`` after the TERM (the listener is closed: that is the point); and the server
-  must exit 0, stop accepting within 100 ms (first refusal), exit within 20 ms of the last
-  response;
+  must exit 0, stop accepting within 100 ms (``accepted_until``: the last connect() the kernel
+  completed after the TERM) and refuse from then on (``refused_from``: the first ECONNREFUSED; a
+  SYN dropped instead of refused stalls the client for the 1 s SYN retransmit), and exit within
+  20 ms of the last response (``after_last``);
 - ttou-ttin: ``refused`` while paused (between TTOU and the ``Resumed`` line);
 - kill-worker: reset/empty/partial within 1 s of the SIGKILL, at most one per client (the
   requests in flight on that worker); and a new worker must serve within 1 s.
@@ -113,7 +115,8 @@ class Cell:
     exit_code: int | None = None
     exit_after_event: float | None = None
     exit_after_last_response: float | None = None
-    accept_stop: float | None = None
+    accept_stop: float | None = None  # TERM -> the first ECONNREFUSED a client saw
+    accepting_until: float | None = None  # TERM -> the last connect() the kernel completed
     replacement: list[float | None] = field(default_factory=list)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -465,6 +468,7 @@ def judge(cell: Cell, tally: Tally) -> None:
         refused = [t for t in tally.failure_times.get("refused", []) if t >= cell.event_at]
         if refused:
             cell.accept_stop = min(refused) - cell.event_at
+        cell.accepting_until = max(tally.last_connect - cell.event_at, 0.0)
     for at, before, seen in cell.__dict__.pop("_kills", []):
         new = [t for pid, t in tally.pids.items() if pid not in before and t >= at]
         new += [seen] if seen is not None else []
@@ -480,9 +484,11 @@ def verdict(cell: Cell) -> str:
     if cell.event == "term":
         if cell.exit_code != 0:
             reasons.append(f"exit {cell.exit_code}")
+        if cell.accepting_until is not None and cell.accepting_until > ACCEPT_STOP:
+            reasons.append(f"accepted until +{cell.accepting_until * 1000:.0f}ms")
         if cell.accept_stop is None or cell.accept_stop > ACCEPT_STOP:
-            reasons.append("accepting did not stop" if cell.accept_stop is None
-                           else f"accept stop {cell.accept_stop * 1000:.0f}ms")
+            reasons.append("never refused" if cell.accept_stop is None
+                           else f"refused only from +{cell.accept_stop * 1000:.0f}ms")
         if cell.exit_after_last_response is None or cell.exit_after_last_response > EXIT_AFTER_LAST:
             reasons.append("no exit" if cell.exit_after_last_response is None else
                            f"exit +{cell.exit_after_last_response * 1000:.0f}ms")
@@ -532,8 +538,10 @@ def fmt_side(cell: Cell | None) -> str:
             extra.append(f"t_exit={cell.exit_after_event:.3f}s")
         if cell.exit_after_last_response is not None:
             extra.append(f"after_last={cell.exit_after_last_response * 1000:.0f}ms")
-        extra.append("accept_stop=" + (f"{cell.accept_stop * 1000:.0f}ms" if cell.accept_stop is not None
-                                       else "never"))
+        if cell.accepting_until is not None:
+            extra.append(f"accepted_until=+{cell.accepting_until * 1000:.0f}ms")
+        extra.append("refused_from=" + (f"+{cell.accept_stop * 1000:.0f}ms" if cell.accept_stop is not None
+                                        else "never"))
     extra.append(f"max={cell.max_latency * 1000:.0f}ms" + (f" slow={cell.slow}" if cell.slow else ""))
     if cell.replacement:
         extra.append("replaced=" + ",".join("none" if r is None else f"{r * 1000:.0f}ms"

@@ -208,6 +208,7 @@ class Tally:
     pids: dict[int, float] = field(default_factory=dict)  # worker pid -> first response at
     last_ok: float = 0.0
     first_refused: float = 0.0
+    last_connect: float = 0.0  # the latest connect() that completed (the kernel took it)
     max_latency: float = 0.0  # the slowest request, connect to last byte, whatever its outcome
     slow: int = 0  # requests that took over SLOW seconds
 
@@ -235,6 +236,7 @@ class Tally:
             self.failure_times.setdefault(kind, []).extend(times)
         self.reconnects += other.reconnects
         self.max_latency = max(self.max_latency, other.max_latency)
+        self.last_connect = max(self.last_connect, other.last_connect)
         self.slow += other.slow
         for pid, at in other.pids.items():
             self.pids[pid] = min(at, self.pids.get(pid, at))
@@ -260,6 +262,9 @@ def client_thread(port: int, keepalive: bool, expected: bytes, timeout: float, d
                 except OSError as exc:
                     raise classify_oserror(exc, "connect") from None
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                connected = time.monotonic()
+                with lock:
+                    tally.last_connect = max(tally.last_connect, connected)
             with lock:
                 tally.sent += 1
             result = request(sock, not keepalive, expected)
