@@ -50,7 +50,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -395,8 +398,24 @@ EVENT_FUNCS: dict[str, Callable[[Context, int], None]] = {
 
 # -- one cell ----------------------------------------------------------------------------------
 
-def run_cell(cell: Cell, tmp: Path, warmup: int | None = None) -> Cell:
-    """Start the server (and HAProxy), load it, run the event, judge. Never leaves a process."""
+def wrk_rps(port: int, keepalive: bool, seconds: int = 3) -> str:
+    """Throughput only (wrk counts no failure the way the classifying client does)."""
+    if shutil.which("wrk") is None:
+        return "wrk not installed"
+    argv = ["wrk", "-t2", "-c16", f"-d{seconds}s", f"http://127.0.0.1:{port}/"]
+    if not keepalive:
+        argv[4:4] = ["-H", "Connection: close"]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 10).stdout
+    except subprocess.TimeoutExpired:
+        return "wrk timed out"
+    match = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    return f"{float(match.group(1)):,.0f} req/s" if match else "wrk gave no rate"
+
+
+def run_cell(cell: Cell, tmp: Path, warmup: int | None = None, throughput: bool = False) -> Cell:
+    """Start the server (and HAProxy), load it, run the event, judge. Never leaves a process.
+    ``throughput``: first measure the steady rate with wrk (a note; not the accounting)."""
     started = time.monotonic()
     procs = Procs(tmp)
     load: Load | None = None
@@ -413,6 +432,8 @@ def run_cell(cell: Cell, tmp: Path, warmup: int | None = None) -> Cell:
         if cell.clients == "haproxy":
             port = procs.haproxy(instance.port, instance.check_port)
         mode = "keepalive" if cell.clients == "haproxy" else cell.clients
+        if throughput:
+            cell.notes.append(f"wrk before the event: {wrk_rps(port, mode != 'close')}")
         load = Load(port, EXPECTED[cell.app], clients=cell.concurrency, mode=mode,
                     seconds=TERM_EXIT_TIMEOUT + 60 + 5 * cell.times)
         procs.loads.append(load)
@@ -589,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
                         + ", ".join(f"{k} {v}" for k, v in DEFAULT_CLIENTS.items()) + ")")
     parser.add_argument("--quick", action="store_true",
                         help="each class x {term, hup:5, usr2:2, kill-worker} x {close, keepalive} x hello")
+    parser.add_argument("--wrk", action="store_true",
+                        help="measure each cell's steady throughput with wrk first (a note)")
     parser.add_argument("--json", metavar="FILE", help="also write every cell's results here")
     args = parser.parse_args(argv)
 
@@ -624,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
                                     continue
                                 cell = Cell(server, cls, event, times, mode, app,
                                             args.concurrency or DEFAULT_CLIENTS[app])
-                                row[server] = run_cell(cell, Path(tmp))
+                                row[server] = run_cell(cell, Path(tmp), throughput=args.wrk)
                                 results.append(cell.report())
                             print_row(row.get("forkserve"), row.get("gunicorn"), servers)
     except KeyboardInterrupt:
