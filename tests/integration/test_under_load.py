@@ -59,7 +59,7 @@ def hey(url: str, requests: int, concurrency: int, timeout: int = 5) -> dict[str
 def test_thread_worker_serves_fifty_keepalive_clients_without_errors(server_factory: Any,
                                                                      threads: int) -> None:
     server = server_factory(*class_args("thread", threads),
-                            app="examples.hello:app").wait_log("Starting forkserve")
+                            app="examples.hello:app").wait_ready()
     wait_for(lambda: _accepts(server.port), 15, "the port to accept")
     for _ in range(3):  # the stall was intermittent: several runs
         result = hey(server.url + "/", 3000, 50)
