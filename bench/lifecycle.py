@@ -274,8 +274,9 @@ def usr2_then(signum: int) -> Callable[[Context, int], None]:
             done = ctx.wait_count("Upgrade complete", i + 1, 30)
             if not alive(ctx.instance.master):
                 code = ctx.instance.exit_code()
-                ctx.note(f"the arbiter died after USR2 #{i + 1} + {signal.Signals(signum).name} "
-                         f"(exit {code}, {-code if code and code < 0 else ''})")
+                how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
+                       else f"exit code {code}")
+                ctx.note(f"the arbiter died after USR2 #{i + 1} + {signal.Signals(signum).name} ({how})")
                 ctx.cell.exit_code = code
                 ctx.load.wait_ok(1 << 30, 1.0)  # what the clients see then
                 return
