@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import Server, parse_head, read_response, send_get, wait_for, worker_set
+from tests.harness import parse_head, read_response, send_get, wait_for, worker_set
 from tests.load import Load
 
 STATUS = ("--status-bind", "127.0.0.1:0")
@@ -76,15 +76,8 @@ class Prober:
         return sum(1 for answer in list(self.answers) if predicate(answer))
 
 
-def xfail_worker_bugs(request: Any, worker_class: str) -> None:
-    if worker_class in ("thread", "gevent"):
-        request.applymarker(pytest.mark.xfail(
-            reason=f"{worker_class} worker loses requests across reloads (issue 10, worker side)",
-            strict=False))
-
-
 @pytest.mark.parametrize("worker_class", WORKER_CLASSES)
-def test_readyz_is_200_through_hups_and_usr2s_and_503_at_term(request: Any, server_factory: Any,
+def test_readyz_is_200_through_hups_and_usr2s_and_503_at_term(server_factory: Any,
                                                               tmp_path: Path, gates: Any,
                                                               worker_class: str) -> None:
     version = tmp_path / "version"
@@ -137,7 +130,6 @@ def test_readyz_is_200_through_hups_and_usr2s_and_503_at_term(request: Any, serv
         gate.release()
         assert read_response(held).status == 200
     assert server.wait_exit(20) == 0
-    xfail_worker_bugs(request, worker_class)  # only the load's losses are the workers' part
     assert load.failures == [], f"{load.summary()}: {load.failures[:20]}"
 
 

@@ -16,7 +16,6 @@ rounds to hit that window in different places.
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -77,23 +76,12 @@ def messages(server: Server) -> list[str]:
     return [str(r.get("message", "")) for r in server.records()]
 
 
-def xfail_worker_bugs(request: Any, worker_class: str) -> None:
-    """Reloads lose requests in the thread and gevent workers (issue 10, worker-side fixes
-    under way in workers/*): the arbiter's part is still checked, the load may fail."""
-    if worker_class in ("thread", "gevent"):
-        request.applymarker(pytest.mark.xfail(
-            reason=f"{worker_class} worker loses requests across reloads (issue 10, worker side)",
-            strict=False))
-
-
 # -- 1. a signal during the re-exec window ---------------------------------------------------------
 
 @pytest.mark.parametrize("worker_class", WORKER_CLASSES)
 @pytest.mark.parametrize("signame", ["HUP", "USR1", "USR2"])
-def test_signal_during_reexec_is_handled_not_fatal(request: Any, server_factory: Any,
-                                                   tmp_path: Path, worker_class: str,
-                                                   signame: str) -> None:
-    xfail_worker_bugs(request, worker_class)
+def test_signal_during_reexec_is_handled_not_fatal(server_factory: Any, tmp_path: Path,
+                                                   worker_class: str, signame: str) -> None:
     signum = getattr(signal, f"SIG{signame}")
     server = start(server_factory, tmp_path, worker_class)
     pid = server.pid
@@ -169,11 +157,10 @@ def generation_of(record: dict[str, Any]) -> int:
 
 
 @pytest.mark.parametrize("worker_class", WORKER_CLASSES)
-def test_five_hups_in_a_row_coalesce(request: Any, server_factory: Any, tmp_path: Path,
+def test_five_hups_in_a_row_coalesce(server_factory: Any, tmp_path: Path,
                                      worker_class: str) -> None:
     """HUP x5 at once: the first starts a reload, the rest are remembered as one more (the
     kernel may merge some of them too): the generation ends up +1 or +2, nothing is ignored."""
-    xfail_worker_bugs(request, worker_class)
     server = start(server_factory, tmp_path, worker_class)
     load = Load(server.port, threads=4, seconds=60).start()
     try:
@@ -236,11 +223,10 @@ def test_hups_during_a_booting_reload_coalesce_into_one(server_factory: Any, tmp
 
 
 @pytest.mark.parametrize("worker_class", WORKER_CLASSES)
-def test_hup_during_the_upgrade_check_is_carried_out_after_it(request: Any, server_factory: Any,
+def test_hup_during_the_upgrade_check_is_carried_out_after_it(server_factory: Any,
                                                                tmp_path: Path,
                                                                worker_class: str) -> None:
     """USR2, then HUP while the check runs: both happen, the reload after the upgrade."""
-    xfail_worker_bugs(request, worker_class)
     server = start(server_factory, tmp_path, worker_class)
     load = Load(server.port, threads=4, seconds=60).start()
     try:
