@@ -251,7 +251,8 @@ def test_requests_in_flight_at_term_complete_with_full_bodies(scenario: Any, gat
             assert response.headers.get("connection") == "close"
     last_response = time.monotonic()
     s.wait_exit(10)
-    assert time.monotonic() - last_response < 1.5, "exit lagged the last request"
+    # Promptly, not at the drain deadline (25 s): the bound leaves room for a loaded machine.
+    assert time.monotonic() - last_response < 5, "exit lagged the last request"
     assert_drained(s)
     # Once a second while waiting: two or three lines in these ~2 s, not a poll loop's flood.
     assert 2 <= s.server.count_log(DRAINING) <= 3, s.server.log_text()

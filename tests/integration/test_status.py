@@ -518,26 +518,37 @@ def test_workers_do_not_hold_the_status_listener_or_its_clients(server_factory: 
         assert status_inode not in held, f"worker {pid} holds the status listener"
 
     # A status client the arbiter accepted (silent, so it stays open) while a HUP forks new
-    # workers: they must not hold it either.
-    with socket.create_connection(("127.0.0.1", server.status_port), timeout=5) as client:
-        client_port = client.getsockname()[1]
-        accepted_at = time.monotonic()
-        client_inode = wait_for(
-            lambda: (i := accepted_inode(server.status_port, client_port)) is not None
-            and i in socket_inodes(server.pid) and i,
-            5, "the arbiter to accept the status client")
-        server.signal(signal.SIGHUP)
-        new = set(wait_for(lambda: (w := set(server.workers()) - pids) and len(w) == 2 and w,
-                           10, "two new workers"))
-        assert client_inode in socket_inodes(server.pid), (
-            "the status server dropped the silent client (5 s timeout) before the fork, "
-            f"{time.monotonic() - accepted_at:.1f}s after accepting it: the check proves nothing")
-        server.wait_log("Reload complete")  # booted: whatever a worker closes is closed by now
-        for pid in new:
-            held = socket_inodes(pid)
-            assert main_inode in held, f"worker {pid} lacks the main listener: the check is blind"
-            assert status_inode not in held, f"worker {pid} holds the status listener"
-            assert client_inode not in held, f"worker {pid} holds a status client connection"
+    # workers: they must not hold it either. The status server drops a silent client after its
+    # HEAD_TIMEOUT (2 s); on a loaded machine the fork may come later than that, which proves
+    # nothing, so the precondition (accepted and still open at the fork) is set up again, at
+    # most three times; the check itself is never retried.
+    checked = False
+    for attempt in range(3):
+        with socket.create_connection(("127.0.0.1", server.status_port), timeout=5) as client:
+            client_port = client.getsockname()[1]
+            accepted_at = time.monotonic()
+            client_inode = wait_for(
+                lambda: (i := accepted_inode(server.status_port, client_port)) is not None
+                and i in socket_inodes(server.pid) and i,
+                5, "the arbiter to accept the status client")
+            server.signal(signal.SIGHUP)
+            new = set(wait_for(lambda: (w := set(server.workers()) - pids) and len(w) == 2 and w,
+                               10, "two new workers"))
+            server.wait_log("Reload complete")  # booted: whatever a worker closes is closed now
+            pids = pids | new  # every worker seen so far: the next HUP's are the ones not in it
+            if client_inode not in socket_inodes(server.pid):
+                print(f"attempt {attempt}: the silent client was dropped "
+                      f"{time.monotonic() - accepted_at:.1f}s after it was accepted, before the "
+                      "fork could be checked; again")
+                continue
+            for pid in new:
+                held = socket_inodes(pid)
+                assert main_inode in held, f"worker {pid} lacks the main listener: the check is blind"
+                assert status_inode not in held, f"worker {pid} holds the status listener"
+                assert client_inode not in held, f"worker {pid} holds a status client connection"
+            checked = True
+            break
+    assert checked, "three times the status client was dropped before the fork: nothing checked"
 
 
 # -- 8. configuration and bind errors -----------------------------------------------------------
