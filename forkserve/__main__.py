@@ -1,8 +1,6 @@
 """``python -m forkserve``: the same as the ``forkserve`` command."""
 
-import sys
-
-from forkserve.cli import main
+from forkserve.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

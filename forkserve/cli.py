@@ -7,6 +7,7 @@ broken deploy from a crash), 3 when workers die while booting, 1 for anything el
 
 from __future__ import annotations
 
+import atexit
 import errno
 import json
 import os
@@ -272,4 +273,15 @@ def _describe(sock: socket.socket, name: str) -> str:
 
 
 def run() -> None:
-    sys.exit(main())
+    code = main()
+    # Everything this process had to do is done and written (the logs are unbuffered os.write
+    # calls; the pidfile and metrics directory are removed): exit-time callbacks run (a
+    # --preload app's), the standard streams are flushed, and the interpreter's teardown of
+    # every module and object, tens of milliseconds that a stop waits for, is skipped.
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            code = code or ExitCode.ERROR  # a closed or full stdout: say so in the code
+    os._exit(int(code or 0))

@@ -288,9 +288,11 @@ class ThreadWorker(SyncWorker):
                 self.back.put((conn, listener))
                 self._wake_main()
             else:
-                # Linger only where the client may still be sending (a refused request,
-                # unread pipelined bytes): closing then would reset it.
-                self._release(conn, linger=conn.received and bool(conn.events))
+                # Linger only where the client may still be sending (a refused request, a
+                # body the app did not read, pipelined bytes): closing then would reset it. A
+                # request read to its end leaves nothing (lingering would hold the connection,
+                # and so the drain, until the client closes: up to 1 s).
+                self._release(conn, linger=conn.received and conn.has_unread())
 
     def _serve_ready(self, conn: Connection, listener: Listener) -> bool:
         """Serve what the client sent; True to hand the connection back as idle."""
