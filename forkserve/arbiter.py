@@ -31,7 +31,8 @@ from forkserve.logs import Log
 from forkserve.metrics import ENV as METRICS_ENV
 from forkserve.metrics import RELOADS_HELP, RESTARTS_HELP
 from forkserve.sockets import BindError, Listener, bind, refuse_new_connections
-from forkserve.status import ArbiterCollector, Answer, StatusServer, bind_status, rss_bytes
+from forkserve.status import (RETRY_AFTER, ArbiterCollector, Answer, StatusServer, bind_status,
+                              rss_bytes, run_stand_in)
 from forkserve.workers import worker_class
 from forkserve.workers.base import WorkerSettings
 
@@ -121,6 +122,9 @@ class Arbiter:
     refreshed_at: float = -1.0
     status_sock: Any = None  # the --status-bind listener (socket.socket), bound by the cli
     status_server: StatusServer | None = None
+    # The status stand-in answering while an in-place upgrade execs (its pid): the old image's
+    # child until the new image, once its own status server is up, stops and reaps it.
+    stand_in: int | None = None
     metrics: Any = None  # forkserve.metrics.Store, when metrics are on
     started_at: float = field(default_factory=time.time)
 
@@ -174,6 +178,11 @@ class Arbiter:
         if self.notifier is not None and self.notifier.enabled and self.notifier.watchdog_interval:
             self.next_watchdog = time.monotonic()
         self.spawn_missing(time.monotonic())
+        if self.inherited is not None and self.inherited.get("status_stand_in"):
+            # Our status server answers from the next poll on (or we have none: the setting
+            # changed): the stand-in that answered through the exec can go.
+            self.stand_in = int(self.inherited["status_stand_in"])
+            self.stop_stand_in()
         while self.state is not State.STOPPED:
             timeout = self.next_timeout(time.monotonic())
             # Capped: poll() overflows past ~24 days (a --drain-timeout of 1e7 is legal).
@@ -486,6 +495,8 @@ class Arbiter:
             self.status_server.finish(time.monotonic() + STATUS_FINISH)
             handover["status_fd"] = self.status_server.fileno()
             os.set_inheritable(self.status_server.fileno(), True)
+            # Who answers on it until the new image's status server does.
+            handover["status_stand_in"] = self.stand_in = self.fork_stand_in()
         if self.metrics is not None:
             handover["metrics_dir"] = self.metrics.path
             handover["metrics_owned"] = self.metrics.owned
@@ -510,6 +521,7 @@ class Arbiter:
         except OSError as exc:
             self.log.error(f"Upgrade failed, still serving: cannot exec: {exc.strerror}")
             self.count_reload("failed")
+            self.stop_stand_in()  # we answer again from the next poll on; the loop reaps it
             sigs.set_mask(mask)
             self.signals.replay(signals)
             if self.status_server is not None:
@@ -520,6 +532,58 @@ class Arbiter:
             if self.config.control_socket:
                 self.control = ControlServer(self.config.control_socket, self.command)
                 self.poller.register(self.control.fileno(), select.POLLIN)
+
+    def stand_in_answers(self) -> dict[str, Answer]:
+        """What the stand-in answers, by path: the old image's view at the exec. Readiness is
+        as it is now (the workers go on serving through the exec); /status is the last
+        snapshot, marked "upgrading"; /metrics and the rest ask to retry."""
+        ready = self.ready()
+        snapshot = {**self.status(), "state": "upgrading"}
+        return {
+            "/healthz": _json(200, {"status": "alive", "state": "upgrading"}),
+            "/readyz": _json(200 if ready else 503, {"ready": ready, "state": "upgrading",
+                                                     "generation": self.generation,
+                                                     "reloading": True}),
+            "/status": _json(200, snapshot),
+            "/metrics": (503, "text/plain; charset=utf-8",
+                         b"upgrading; the metrics are back in a moment\n", RETRY_AFTER),
+        }
+
+    def fork_stand_in(self) -> int:
+        """The status stand-in (see forkserve.status.run_stand_in): a child holding only the
+        status listener, the alive pipe's read end (it exits when the arbiter is gone, so never
+        an orphan) and the log. Forked, not started: it answers from the first instant, and it
+        imports nothing (neither the app nor anything else)."""
+        server = self.status_server
+        assert server is not None
+        answers = self.stand_in_answers()
+        pid = sigs.fork_with_signals_blocked()
+        if pid == 0:  # the child: never returns into the arbiter's loop
+            code = ExitCode.ERROR
+            try:
+                keep = sorted({self.log.fd, server.fileno(), self.alive_r} - {0, 1, 2, -1})
+                for low, high in zip([2, *keep], [*keep, os.sysconf("SC_OPEN_MAX")]):
+                    if low + 1 < high:  # (an empty range would be read as "to the end")
+                        os.closerange(low + 1, high)  # the rest: main listeners, pipes...
+                wakeup = sigs.stand_in_signals(
+                    ARBITER_SIGNALS, wake_on=(signal.SIGTERM,),
+                    ignore=(signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTTIN,
+                            signal.SIGTTOU, signal.SIGWINCH))
+                code = run_stand_in(server.sock, wakeup, self.alive_r, answers, self.log)
+            except BaseException as exc:  # noqa: BLE001 - reported, then the child exits
+                self.log.exception("Upgrade: the status stand-in failed", exc)
+            finally:
+                os._exit(code)
+        self.log.info("Upgrade: a status stand-in answers until the new image does", pid=pid)
+        return pid
+
+    def stop_stand_in(self) -> None:
+        if self.stand_in is None:
+            return
+        try:
+            os.kill(self.stand_in, signal.SIGTERM)
+        except ProcessLookupError:
+            self.stand_in = None  # gone (a child we have not reaped cannot be: its pid is ours)
 
     def adopt_old_workers(self, workers: list[list[Any]], generation: int) -> None:
         """The new image's view of the workers the old image handed over (an older image
@@ -897,6 +961,12 @@ class Arbiter:
             self.read_counters()
             if self.upgrade_check is not None and pid == self.upgrade_check.pid:
                 self.upgrade_checked(status)
+                continue
+            if pid == self.stand_in:
+                self.stand_in = None
+                if status != 0:
+                    self.log.warning(f"Upgrade: the status stand-in {describe_status(status)}",
+                                     pid=pid)
                 continue
             handle = self.workers.pop(pid, None)
             if handle is not None:

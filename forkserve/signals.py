@@ -111,6 +111,23 @@ def reset_in_child(signals: Iterable[int]) -> None:
         signal.signal(signum, signal.SIG_DFL)
 
 
+def stand_in_signals(inherited: Iterable[int], wake_on: Iterable[int],
+                     ignore: Iterable[int]) -> int:
+    """A small forked helper's own signal state (the upgrade's status stand-in), from scratch:
+    the ``inherited`` handlers back to their defaults, ``wake_on`` recorded on a new wakeup
+    pipe (returned: its read end), ``ignore`` ignored; then everything unblocked (the fork
+    blocked all of them, and the exec's block of the arbiter's set is the parent's business)."""
+    reset_in_child(inherited)
+    read_fd, write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    for signum in wake_on:
+        signal.signal(signum, _recorded)
+    for signum in ignore:
+        signal.signal(signum, signal.SIG_IGN)
+    unblock()
+    return read_fd
+
+
 def unblock() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
 

@@ -1,0 +1,234 @@
+"""Readiness through in-place upgrades and handoffs (issue 10): /readyz answers 200 on every
+probe while something serves the port.
+
+- USR2: between the old image's exec and the new image's status server, a status stand-in
+  (a child the old image forks just before the exec) answers on the status listener;
+- ``-sf --takeover``: the status listener travels with the listeners over the control socket;
+  the successor answers on it only once its workers are booted, the predecessor stops
+  answering on it at its TERM;
+- ``-sf --reuse-port``: the successor joins the status port only once its workers are booted;
+  the predecessor leaves it at its TERM (another instance listens there).
+
+Real ``python -m forkserve`` process groups on 127.0.0.1 (port 0, then the same ports for the
+successors), real signals, steady load (``tests.load.Load``: keep-alive clients and clients on a
+new connection per request, together), and a prober thread sending /readyz on a fresh
+connection per probe with a short timeout, for the whole run. Every wait is on a log line, a
+process exit or a counter, and bounded. The HAProxy tests put a real HAProxy in front (as
+bench/lifecycle.py does: backend keep-alive, ``option httpchk GET /readyz`` every 100 ms,
+``fall 2``, no retry-on): not one 503 "No server is available" over the run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from tests.harness import Server, parse_head, wait_for, worker_set
+from tests.load import Load
+
+WORKER_CLASSES = ["sync", "thread", "gevent"]
+PROBE_TIMEOUT = 1.0  # a probe that waits longer is a failed check (HAProxy's wait 100 ms)
+TIMES = 3
+
+
+@pytest.fixture
+def ctl_dir() -> Iterator[Path]:
+    """A short directory for the control sockets (sun_path holds 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="fsrh-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def readyz(port: int, timeout: float = PROBE_TIMEOUT) -> tuple[int, dict[str, Any]]:
+    """One /readyz on a fresh connection, read to the server's close."""
+    deadline = time.monotonic() + timeout
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(b"GET /readyz HTTP/1.1\r\nHost: s\r\n\r\n")
+        data = b""
+        while True:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    status, _, body = parse_head(data)
+    return status, json.loads(body)
+
+
+class Prober:
+    """/readyz in a loop on a thread until stopped (bounded by ``seconds``); every answer and
+    every failure (refused, reset, timed out, garbled) is kept."""
+
+    def __init__(self, port: int, seconds: float = 150.0) -> None:
+        self.port = port
+        self.seconds = seconds
+        self.answers: list[tuple[int, dict[str, Any]]] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="readyz-prober", daemon=True)
+        self.started_at = 0.0
+
+    def __enter__(self) -> "Prober":
+        self.started_at = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        deadline = self.started_at + self.seconds
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            try:
+                self.answers.append(readyz(self.port))
+            except Exception as exc:  # noqa: BLE001 - every failure is recorded, none hidden
+                self.failures.append(f"{time.monotonic() - self.started_at:.3f}s {exc!r}")
+            self._stop.wait(0.005)  # pacing between probes, not a wait for anything
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(PROBE_TIMEOUT + 5)
+        assert not self._thread.is_alive(), "the prober did not stop"
+
+    def wait_more(self, count: int, timeout: float = 10.0) -> None:
+        """Until ``count`` more probes were answered (or failed) than now."""
+        target = len(self.answers) + len(self.failures) + count
+        wait_for(lambda: len(self.answers) + len(self.failures) >= target, timeout,
+                 f"{count} more probes")
+
+    def states(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for _, body in list(self.answers):
+            out[body.get("state", "?")] = out.get(body.get("state", "?"), 0) + 1
+        return out
+
+    def not_ready(self) -> list[tuple[int, dict[str, Any]]]:
+        return [a for a in list(self.answers) if a[0] != 200]
+
+
+class Loads:
+    """Keep-alive clients and new-connection clients on one port, together."""
+
+    def __init__(self, port: int) -> None:
+        self.loads = [Load(port, threads=2, seconds=150, keepalive=True),
+                      Load(port, threads=2, seconds=150)]
+
+    def __enter__(self) -> "Loads":
+        for load in self.loads:
+            load.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        for load in self.loads:
+            load.stop()
+
+    def wait_requests(self, count: int) -> None:
+        for load in self.loads:
+            load.wait_requests(count, 20)
+
+    @property
+    def failures(self) -> list[str]:
+        return [f for load in self.loads for f in load.failures]
+
+    def summary(self) -> str:
+        return "; ".join(load.summary() for load in self.loads)
+
+
+def check(name: str, prober: Prober, loads: Loads) -> None:
+    print(f"\n[{name}] {len(prober.answers)} probes {prober.states()}, "
+          f"{len(prober.failures)} failed; load: {loads.summary()}")
+    assert prober.failures == [], prober.failures[:10]
+    assert prober.not_ready() == [], prober.not_ready()[:10]
+    assert loads.failures == [], f"{loads.summary()}: {loads.failures[:20]}"
+
+
+def start(server_factory: Any, worker_class: str, *args: str, bind: str = "127.0.0.1:0",
+          status_bind: str = "127.0.0.1:0") -> Server:
+    """The app first: a trailing ``-sf PID`` list in ``args`` cannot swallow it."""
+    return server_factory("tests.apps:app", "-k", worker_class, "--status-bind", status_bind,
+                          *args, app="", bind=bind)  # type: ignore[no-any-return]
+
+
+# -- USR2 -----------------------------------------------------------------------------------------
+
+def usr2s(server: Server, prober: Prober, loads: Loads) -> None:
+    for n in range(1, TIMES + 1):
+        old = worker_set(server, 2, 20)
+        server.signal(signal.SIGUSR2)
+        wait_for(lambda: server.count_log("Upgrade complete") >= n, 40,
+                 f"upgrade {n}\n{server.log_text()}")
+        wait_for(lambda: not set(server.workers()) & old, 30, "the old workers to go")
+        loads.wait_requests(20)
+        prober.wait_more(3)
+
+
+@pytest.mark.parametrize("worker_class", WORKER_CLASSES)
+def test_readyz_is_200_on_every_probe_through_usr2s(server_factory: Any,
+                                                    worker_class: str) -> None:
+    server = start(server_factory, worker_class).wait_ready()
+    port = server.status_port
+    with Prober(port) as prober, Loads(server.port) as loads:
+        loads.wait_requests(20)
+        prober.wait_more(3)
+        usr2s(server, prober, loads)
+    check(f"USR2 x{TIMES}, {worker_class}", prober, loads)
+    # Someone answered through each exec window: the stand-in, from the old image's view.
+    assert prober.states().get("upgrading", 0) > 0, prober.states()
+    wait_for(lambda: server.count_log("the status stand-in stopped") >= TIMES, 20,
+             "the stand-ins to stop")
+    stopped = [r for r in server.records() if "the status stand-in stopped" in r["message"]]
+    assert [r["reason"] for r in stopped] == ["the new image's status server listens"] * TIMES
+    assert server.count_log("Status server listening") == 1
+    # It is gone (reaped: only the workers are children). (503 at a plain TERM:
+    # test_arbiter_readiness holds a request to keep the drain open long enough to look.)
+    wait_for(lambda: len(server.workers()) == 2, 10, "only the two workers as children")
+    server.signal(signal.SIGTERM)
+    assert server.wait_exit(20) == 0
+
+
+def test_stand_in_answers_in_the_exec_window_and_leaves_no_orphan(server_factory: Any) -> None:
+    """What the stand-in answers, and that it goes by itself: with the new image held before
+    it can answer (its first status answer comes after its config is read, so a config file
+    it cannot read fast does not help; instead: SIGSTOP the arbiter right after the exec and
+    look at the stand-in alone), /readyz and /healthz are 200 "upgrading", /metrics 503 with
+    Retry-After; then SIGCONT, and the stand-in is stopped and reaped."""
+    server = start(server_factory, "sync").wait_ready()
+    port = server.status_port
+    server.signal(signal.SIGUSR2)
+    record = server.wait_log("Upgrade: a status stand-in answers", timeout=30)
+    stand_in = record["pid"]
+    server.wait_log("Upgrade: re-executing")
+    server.signal(signal.SIGSTOP)  # the new image, stopped wherever its start-up is
+    try:
+        assert stand_in in server.workers()
+        status, body = readyz(port, 5.0)
+        assert (status, body) == (200, {"ready": True, "state": "upgrading", "generation": 1,
+                                        "reloading": True})
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: s\r\n\r\n")
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        status, headers, _ = parse_head(data)
+        assert status == 503 and headers["retry-after"] == "1", data
+        # It holds the status listener and the log, never a main listener or the pipes.
+        fds = {Path(f"/proc/{stand_in}/fd/{fd}").readlink().as_posix()
+               for fd in map(str, range(3, 64)) if Path(f"/proc/{stand_in}/fd/{fd}").exists()}
+        assert len([f for f in fds if f.startswith("socket:")]) == 1, fds
+    finally:
+        server.signal(signal.SIGCONT)
+    server.wait_log("Upgrade complete", timeout=30)
+    wait_for(lambda: stand_in not in server.workers(), 10, "the stand-in to be reaped")
+    assert readyz(port, 5.0)[1]["state"] == "running"
