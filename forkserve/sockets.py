@@ -159,8 +159,12 @@ def refuse_new_connections(listener: Listener) -> bool:
     and by then the port is closed: it is refused (ECONNREFUSED), which every client and
     balancer retries safely, instead of being accepted and reset. False where not applicable."""
     sock = listener.sock
-    if listener.shared or sock.fileno() < 0 or sock.family not in (socket.AF_INET, socket.AF_INET6):
+    if sock.fileno() < 0 or sock.family not in (socket.AF_INET, socket.AF_INET6):
         return False
+    if listener.shared:
+        if held_elsewhere(sock):
+            return False
+        listener.shared = False  # whoever shared it is gone (a successor that failed to boot)
     program = ctypes.create_string_buffer(_BPF_DROP_SYN)
     fprog = struct.pack("HL", len(_BPF_DROP_SYN) // 8, ctypes.addressof(program))
     try:
@@ -168,6 +172,32 @@ def refuse_new_connections(listener: Listener) -> bool:
     except OSError:
         return False
     return True
+
+
+def held_elsewhere(sock: socket.socket) -> bool:
+    """Does a process other than this one and its children hold this socket (read from
+    /proc)? Where that cannot be told for some process, it counts as held."""
+    target = f"socket:[{os.fstat(sock.fileno()).st_ino}]"
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as fh:
+                if int(fh.read().rsplit(")", 1)[1].split()[1]) == me:
+                    continue  # our own worker
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except FileNotFoundError:
+            continue  # gone meanwhile
+        except OSError:
+            return True  # not ours to look at: assume it may hold it
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{entry}/fd/{fd}") == target:
+                    return True
+            except OSError:
+                continue  # closed meanwhile
+    return False
 
 
 def refusing_new_connections(listener: Listener) -> bool:

@@ -108,6 +108,7 @@ class Worker:
         self.parked: list[Any] = []  # idle keep-alive connections set aside (sync worker)
         self.drain_reported = True  # the arbiter has our DRAINING record (see _on_graceful)
         self.pause_requested = False  # TTOU: the loop serves the queue, then stops listening
+        self.queue_watch = False  # SIGALRM re-checks the accept queue (see _watch_queue)
         self.listeners_changed = False  # a handler closed a listener: the loop must forget it
         self.timed_out = False
         self.retire_reason = ""
@@ -231,6 +232,8 @@ class Worker:
     #    when the worker is inside a connection and its accept queues are empty,
     #    closes its own listening sockets, so new clients are refused now, not at the end of
     #    this request (no queued client can be reset: the queues are empty);
+    #  - ALRM (while a busy worker waits for its queue to empty at a stop) closes its
+    #    listeners once the queue is empty, as TERM does when it is empty at once;
     #  - USR2 (the drain deadline) raises RequestCancelled inside the live request;
     #  - QUIT and the arbiter's timeout kill raise HardStop inside the live request.
     def _on_graceful(self, signum: int, frame: Any) -> None:
@@ -255,11 +258,37 @@ class Worker:
         self._release_listeners()
 
     def _release_listeners(self) -> None:
+        still_queued = False
         if self.busy:
             for listener in self.listeners:
-                if listener.sock.fileno() >= 0 and accept_queue_empty(listener):
+                if listener.sock.fileno() < 0:
+                    continue
+                if accept_queue_empty(listener):
                     listener.sock.close()
                     self.listeners_changed = True
+                else:
+                    still_queued = True
+        self._watch_queue(still_queued)
+
+    def _watch_queue(self, on: bool) -> None:
+        """A busy sync worker whose accept queue still held clients at the stop looks again
+        every 0.1 s (SIGALRM): once the other workers have taken them it closes its copy of
+        the listener, so that new clients are refused rather than left retrying their SYNs
+        against a queue that refuses them until this worker's request ends. Only where the
+        application leaves SIGALRM alone."""
+        if on and not self.queue_watch:
+            if signal.getsignal(signal.SIGALRM) is not signal.SIG_DFL:
+                return  # the application's own: leave it (the loop closes after the request)
+            signal.signal(signal.SIGALRM, self._on_alarm)
+            signal.setitimer(signal.ITIMER_REAL, 0.1, 0.1)
+            self.queue_watch = True
+        elif not on and self.queue_watch:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            self.queue_watch = False
+
+    def _on_alarm(self, signum: int, frame: Any) -> None:
+        self._release_listeners()
 
     def _on_cancel(self, signum: int, frame: Any) -> None:
         if self.state is not WorkerState.HALTING:

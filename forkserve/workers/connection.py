@@ -89,9 +89,12 @@ class Connection:
     def _wait_loop(self, poller: select.poll, deadline: float) -> None:
         while True:
             now = time.monotonic()
-            if self.cutoff is not None and now >= self.cutoff:
+            # A stop's cutoff bounds only the wait for a request's first byte: a request that
+            # arrived within the grace is served to its end (its body, a slow reader).
+            cutoff = self.cutoff if self.reading_head and not self.received else None
+            if cutoff is not None and now >= cutoff:
                 raise Abandoned()
-            remaining = min(deadline, self.cutoff or deadline) - now
+            remaining = min(deadline, cutoff or deadline) - now
             if remaining <= 0:
                 raise Timeout()
             ready = poller.poll(remaining * 1000.0 + 1)
@@ -168,6 +171,7 @@ class Connection:
         finally:
             self.reading_head = False
         head = events.popleft()
+        self.cutoff = None  # a request is here: the next wait for one gets its own grace
         if type(head) is not Request:
             raise head  # a queued HTTPError: see _queue_error
         self.continue_sent = False
@@ -310,6 +314,36 @@ class Connection:
             if not data:
                 return
             dropped += len(data)
+
+
+def linger_together(conns: list[Connection], deadline: float) -> None:
+    """Close connections whose output already ended (half-closed): first read and drop what
+    their clients still send until each closes its side or ``deadline`` passes, all in one
+    poll, so that many lingering closes take no longer than one."""
+    poller = select.poll()
+    waiting = {}
+    for conn in conns:
+        if not conn.closed:
+            poller.register(conn.fd, select.POLLIN)
+            waiting[conn.fd] = conn
+    while waiting:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        for fd, _ in poller.poll(remaining * 1000.0 + 1):
+            conn = waiting[fd]
+            try:
+                data = conn.sock.recv(RECV_SIZE)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                poller.unregister(fd)
+                del waiting[fd]
+                conn.close()
+    for conn in waiting.values():
+        conn.close()
 
 
 def _never() -> bool:

@@ -131,7 +131,7 @@ class GeventWorker(SyncWorker):
                 self.state is RUNNING and self.pause_requested):
             self._accept_ready(listener)
         elif self.state is WorkerState.CANCELLED:
-            self._turn_away(listener)
+            self._turn_away_queue([listener])
         listener.sock.close()
 
     def _accept_ready(self, listener: Listener) -> None:
@@ -148,14 +148,6 @@ class GeventWorker(SyncWorker):
             self._handle(sock, addr, listener)
         except (HardStop, Abandoned, RequestCancelled):
             return  # thrown in by a stop, a drain or a cancel: the connection is already closed
-
-    def _turn_away(self, listener: Listener) -> None:
-        while listener.sock.fileno() >= 0:
-            try:
-                sock, _ = listener.sock.accept()
-            except OSError:
-                return
-            self.turn_away(sock)
 
     def _wait_idle(self, conn: Connection) -> bool:
         """Between requests: wait for the client in this greenlet, marked idle for the drain

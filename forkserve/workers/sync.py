@@ -20,7 +20,7 @@ from forkserve.http import HTTPError, Request
 from forkserve.http.response import DateCache, reason_phrase, simple_response
 from forkserve.sockets import Listener, refusing_new_connections
 from forkserve.workers.base import Worker, WorkerState, queued_clients
-from forkserve.workers.connection import Abandoned, Connection, Timeout
+from forkserve.workers.connection import Abandoned, Connection, Timeout, linger_together
 from forkserve.wsgi import (ClientGone, ErrorStream, Exchange, FileWrapper, HeaderKeys, Input,
                             base_environ, build_environ)
 
@@ -50,6 +50,9 @@ class SyncWorker(Worker):
             # the connections it accepted from them are still being served (fd -1 by then).
             self.environs[id(listener)] = base_environ(name, port, errors, self.multithread)
         self.connections: set[Connection] = set()
+        self.taken: list[tuple[socket.socket, Any, Listener]] = []  # see _on_alarm
+        self.queue_checks = 0  # alarms in a row that found the accept queue no shorter
+        self.queue_seen = 0
 
     def open_connection(self, sock: socket.socket, remote: tuple[str, str]) -> Connection:
         conn = Connection(sock, remote, self.settings.limits, self.settings.header_timeout,
@@ -101,6 +104,7 @@ class SyncWorker(Worker):
         workers do: the queue is shared fairly, so it empties soonest. New clients keep
         coming, but none joins a queue the arbiter made refuse them, so this ends; the bound
         is for a unix socket's queue, which cannot refuse them."""
+        self._serve_taken()
         for listener in self.listeners:
             if self.takes_queue(listener):
                 budget = queued_clients([listener]) + socket.SOMAXCONN
@@ -110,7 +114,15 @@ class SyncWorker(Worker):
                         break
                     budget -= 1
                     self._handle(*client, listener)
+                    self._serve_taken()  # what _on_alarm took meanwhile
             listener.sock.close()
+        if self.state is WorkerState.CANCELLED:
+            self._turn_away_queue()  # the deadline passed meanwhile: what is left gets a 503
+
+    def _serve_taken(self) -> None:
+        """The clients _on_alarm took from the queue while this worker was busy."""
+        while self.taken and self.state is WorkerState.STOPPING:
+            self._handle(*self.taken.pop(0))
 
     def takes_queue(self, listener: Listener) -> bool:
         """Stopping: must this worker serve the clients queued on ``listener``? Yes when the
@@ -148,27 +160,34 @@ class SyncWorker(Worker):
                 self.waiting_poll.unregister(fd)
                 del self.listener_fds[fd]
 
-    def _turn_away_queue(self) -> None:
-        """Past the drain deadline: clients still queued get a 503 now, never a reset (and
-        this takes a bounded share of the cancel grace)."""
+    def _turn_away_queue(self, listeners: list[Listener] | None = None) -> None:
+        """Past the drain deadline: every client still queued gets a 503 now, never a reset.
+        All are answered and half-closed first, then drained together (a lingering close,
+        so that closing with their unread requests does not reset them before they read
+        the 503), within a bounded share of the cancel grace."""
         deadline = time.monotonic() + self.settings.cancel_grace / 2
-        while time.monotonic() < deadline:
-            accepted = self._accept()
-            if accepted is None:
-                return
-            self.turn_away(accepted[0])
+        answered = [self.turn_away(sock) for sock, _, _ in self.taken]
+        self.taken = []
+        for listener in self.listeners if listeners is None else listeners:
+            while time.monotonic() < deadline:
+                accepted = self.accept_from(listener)
+                if accepted is None:
+                    break
+                answered.append(self.turn_away(accepted[0]))
+        linger_together(answered, deadline)
 
-    def turn_away(self, sock: socket.socket) -> None:
-        """A client still queued past the drain deadline: a 503, never a reset (counted as a
-        refusal: its request was never read)."""
+    def turn_away(self, sock: socket.socket) -> Connection:
+        """A client still queued past the drain deadline: a 503 and the end of our output
+        (counted as a refusal: its request was never read). The caller closes it."""
         conn = Connection(sock, ("-", "0"), self.settings.limits, 1.0)
         try:
             conn.send(simple_response(503, "Service Unavailable", self.dates))
         except ClientGone:
             self.log.debug("A queued client left before its 503")
-        conn.close(linger=True)
+        conn.end_output()
         if self.metrics is not None:
             self.metrics.request("-", 503, None)
+        return conn
 
     def _idle(self) -> None:
         """About to wait for work: write out telemetry, send a heartbeat if one is due."""
@@ -228,6 +247,27 @@ class SyncWorker(Worker):
             # Just accepted and silent: its client may be about to send (a reload must not
             # drop it), or may be a pre-connect that never will. A short grace tells which.
             conn.cutoff = time.monotonic() + NEW_CONNECTION_GRACE
+
+    def _on_alarm(self, signum: int, frame: Any) -> None:
+        """-- runs in a signal handler (see Worker._watch_queue): a busy worker at a stop, its
+        accept queue not empty. When for 0.3 s the queue has not shrunk (no other worker is
+        free to take those clients), it takes them itself (they would wait for it either
+        way) and closes its listeners, so that new clients are refused rather than kept
+        retrying their SYNs for as long as this request runs; it serves them once the
+        request is done. While the queue shrinks, the other workers are serving it."""
+        queued = queued_clients([l for l in self.listeners if l.sock.fileno() >= 0])
+        self.queue_checks = self.queue_checks + 1 if queued >= self.queue_seen else 0
+        self.queue_seen = queued
+        if self.busy and queued and self.queue_checks >= 3 and self.state is WorkerState.STOPPING:
+            for listener in self.listeners:
+                if listener.sock.fileno() < 0 or not self.takes_queue(listener):
+                    continue
+                while True:
+                    client = self.accept_from(listener)
+                    if client is None:
+                        break
+                    self.taken.append((*client, listener))
+        super()._on_alarm(signum, frame)
 
     def close_quiet_parked(self) -> None:
         now = time.monotonic()
@@ -351,7 +391,8 @@ class SyncWorker(Worker):
                 if fd == conn.fd:
                     return True
                 self.handle_wakeups()
-        return conn.readable_now()
+        # Past the deadline (or a hard stop) no new request is taken.
+        return self.state is WorkerState.STOPPING and conn.readable_now()
 
     def _refuse(self, conn: Connection, status: int, reason: str) -> None:
         """A request the server answers itself: it never reaches the application."""

@@ -204,7 +204,7 @@ class ThreadWorker(SyncWorker):
                 if listener.sock.fileno() < 0:
                     continue
                 if state is WorkerState.CANCELLED:
-                    self._turn_away_queue()
+                    self._turn_away_queue([listener])
                 elif state is WorkerState.STOPPING and self.takes_queue(listener) or (
                         state is RUNNING and self.pause_requested):
                     self.limit = 1 << 30  # the queue is served whatever the limit
@@ -247,13 +247,19 @@ class ThreadWorker(SyncWorker):
             self._wait_for_client(conn, listener, deadline)
 
     def _expire_idle(self, now: float) -> None:
-        for fd, (conn, _, deadline) in list(self.idle.items()):
+        for fd, (conn, listener, deadline) in list(self.idle.items()):
             if now >= deadline:
                 del self.idle[fd]
                 self.poller.unregister(fd)
-                self._release(conn)
+                if self.state is WorkerState.STOPPING and conn.readable_now():
+                    # Its request came just as the grace ended: answer it, never reset it.
+                    self.work.put((conn, listener))
+                else:
+                    self._release(conn)
 
     def _release(self, conn: Connection, linger: bool = False) -> None:
+        if conn.closed:
+            return  # already ended (see _run: a cancel that landed after the hand-back)
         conn.close(linger)
         self.connections.discard(conn)
         if not conn.released:  # finish_request() already counted it out
@@ -271,28 +277,39 @@ class ThreadWorker(SyncWorker):
     # -- pool threads ------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            item = self.work.get()
-            if item is None:
-                return
-            conn, listener = item
-            conn.owner = threading.get_ident()
+            item = None
             try:
-                keep = self._serve_ready(conn, listener)
-            except (RequestCancelled, Abandoned, ClientGone):
-                keep = False
-            except Exception as exc:  # never lose a pool thread to one connection
-                self.log.exception("Connection failed", exc, worker=self.worker_id)
-                keep = False
-            conn.owner = None
-            if keep:
-                self.back.put((conn, listener))
-                self._wake_main()
-            else:
-                # Linger only where the client may still be sending (a refused request, a
-                # body the app did not read, pipelined bytes): closing then would reset it. A
-                # request read to its end leaves nothing (lingering would hold the connection,
-                # and so the drain, until the client closes: up to 1 s).
-                self._release(conn, linger=conn.received and conn.has_unread())
+                item = self.work.get()
+                if item is None:
+                    return
+                self._run_connection(*item)
+            except RequestCancelled:
+                # The drain deadline's asynchronous exception can land at any bytecode: here
+                # it hit a thread whose request had just ended. End its connection all the
+                # same (the deadline passed: nothing more is served), keep the thread.
+                if item is not None and not item[0].closed:
+                    self._release(item[0])
+
+    def _run_connection(self, conn: Connection, listener: Listener) -> None:
+        """Serve a connection whose client sent something; hand it back or end it."""
+        conn.owner = threading.get_ident()
+        try:
+            keep = self._serve_ready(conn, listener)
+        except (RequestCancelled, Abandoned, ClientGone):
+            keep = False
+        except Exception as exc:  # never lose a pool thread to one connection
+            self.log.exception("Connection failed", exc, worker=self.worker_id)
+            keep = False
+        conn.owner = None
+        if keep:
+            self.back.put((conn, listener))
+            self._wake_main()
+        else:
+            # Linger only where the client may still be sending (a refused request, a
+            # body the app did not read, pipelined bytes): closing then would reset it. A
+            # request read to its end leaves nothing (lingering would hold the connection,
+            # and so the drain, until the client closes: up to 1 s).
+            self._release(conn, linger=conn.received and conn.has_unread())
 
     def _serve_ready(self, conn: Connection, listener: Listener) -> bool:
         """Serve what the client sent; True to hand the connection back as idle."""
