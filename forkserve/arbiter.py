@@ -32,7 +32,7 @@ from forkserve.metrics import ENV as METRICS_ENV
 from forkserve.metrics import RELOADS_HELP, RESTARTS_HELP
 from forkserve.sockets import BindError, Listener, bind, refuse_new_connections
 from forkserve.status import (RETRY_AFTER, ArbiterCollector, Answer, StatusServer, bind_status,
-                              rss_bytes, run_stand_in)
+                              holds_socket, other_listeners, rss_bytes, run_stand_in)
 from forkserve.workers import worker_class
 from forkserve.workers.base import WorkerSettings
 
@@ -125,6 +125,12 @@ class Arbiter:
     # The status stand-in answering while an in-place upgrade execs (its pid): the old image's
     # child until the new image, once its own status server is up, stops and reaps it.
     stand_in: int | None = None
+    # A successor's status listener (-sf with --takeover or --reuse-port): held, not answered
+    # on, until our workers are booted; the instance we replace answers ready meanwhile.
+    status_deferred: bool = False
+    # Instances we handed our status listener to (the `listeners` command), by pid.
+    status_successors: set[int] = field(default_factory=set)
+    status_left: bool = False  # we left the status port to a successor serving it (at our stop)
     metrics: Any = None  # forkserve.metrics.Store, when metrics are on
     started_at: float = field(default_factory=time.time)
 
@@ -165,7 +171,7 @@ class Arbiter:
             poller.register(self.control.fileno(), select.POLLIN)
         if self.status_sock is not None:
             self.status_server = StatusServer(self.status_sock, poller, self.answer_status,
-                                              self.log)
+                                              self.log, accepting=not self.status_deferred)
         self.log.info("Starting forkserve", listening=",".join(l.name() for l in self.listeners),
                       workers=self.config.worker_count, worker_class=self.config.worker_class,
                       app=self.config.app)
@@ -271,6 +277,7 @@ class Arbiter:
     def stop(self) -> None:
         if self.state not in (State.BOOTING, State.RUNNING):
             return  # already stopping: a second TERM changes nothing
+        self.leave_status_port()
         self.read_counters()
         self.numbers_fresh()  # asks busy workers for their numbers: the line waits for them
         if self.reload_wanted or self.upgrade_wanted:
@@ -340,6 +347,7 @@ class Arbiter:
     def halt(self) -> None:
         if self.state in (State.HALTING, State.STOPPED):
             return
+        self.leave_status_port()
         self.transition(Event.HARD_STOP, "Hard stop: stopping workers now")
         self.halt_workers()
 
@@ -352,6 +360,24 @@ class Arbiter:
             self.send(handle, signal.SIGQUIT)
             self.escalate(handle, now + KILL_GRACE, signal.SIGKILL)
         self.check_gone()
+
+    def leave_status_port(self) -> None:
+        """At our stop, when a successor serves our status port (the -sf handoff, with
+        --takeover: one we handed this very listener to still holds it; with --reuse-port:
+        another listener on the same address): leave it at once. Answering 503 there would
+        tell the balancer that the port is going away while the successor serves it."""
+        server = self.status_server
+        if server is None or server.sock.fileno() < 0 or self.status_left:
+            return
+        shared = any(holds_socket(pid, server.sock) for pid in self.status_successors)
+        if not shared and not (self.config.reuse_port and other_listeners(server.sock)):
+            return
+        address = server.sock.getsockname()
+        server.leave(own_queue=not shared)
+        self.status_left = True
+        self.log.info("Left the status port to the successor serving it",
+                      status_bind=f"{address[0]}:{address[1]}",
+                      how="shared listener" if shared else "SO_REUSEPORT")
 
     def reopen_logs(self) -> None:
         self.log.reopen()
@@ -676,8 +702,18 @@ class Arbiter:
             for listener in self.listeners:
                 listener.unix_path = None  # shared with the successor now: never unlink it
                 listener.shared = True  # nor make it refuse clients when we stop
-            return ({"ok": True, "listeners": [l.name() for l in self.listeners]},
-                    [l.fd for l in self.listeners])
+            answer: dict[str, Any] = {"ok": True, "listeners": [l.name() for l in self.listeners]}
+            fds = [l.fd for l in self.listeners]
+            server = self.status_server
+            if server is not None and server.sock.fileno() >= 0 and not self.status_left:
+                # The status listener goes with them (last): the successor answers on this very
+                # socket once it is ready, and we leave it at our stop (leave_status_port).
+                host, port = server.sock.getsockname()[:2]
+                answer["status"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+                fds.append(server.sock.fileno())
+                if self.control is not None and self.control.peer_pid:
+                    self.status_successors.add(self.control.peer_pid)
+            return answer, fds
         return {"ok": False, "error": f"unknown command {name!r}"}, []
 
     def control_fds(self) -> list[int]:
@@ -773,6 +809,11 @@ class Arbiter:
     def status_page(self, path: str, headers: dict[bytes, bytes]) -> Answer:
         if path == "/healthz":
             return _json(200, {"status": "alive", "state": self.state.value})
+        if path == "/readyz" and self.status_left:
+            # A request we had accepted before we left the port: the successor serves it.
+            return _json(200, {"ready": True, "state": self.state.value,
+                               "generation": self.generation, "reloading": False,
+                               "successor": True})
         if path == "/readyz":
             ready = self.ready()
             return _json(200 if ready else 503, {
@@ -931,6 +972,13 @@ class Arbiter:
         if self.state is State.BOOTING:
             self.transition(Event.BOOTED, "Server ready", generation=self.generation)
             self.notify("ready")
+            if self.status_server is not None and not self.status_server.accepting:
+                # A successor: we can answer ready now; the instances we replace answered
+                # meanwhile (they leave the port at the stop we send them next).
+                self.status_server.start_accepting()
+                address = self.status_server.sock.getsockname()
+                self.log.info("Status server listening",
+                              status_bind=f"{address[0]}:{address[1]}")
             if self.upgrading_from is not None:
                 old = [h for h in self.workers.values() if h.generation <= self.upgrading_from]
                 self.log.info("Upgrade complete: stopping the old workers", old_workers=len(old),

@@ -8,7 +8,9 @@ The socket is created with mode 0600 inside a umask, so no other user can ever c
 every peer's uid is checked with SO_PEERCRED as well. A command is one line
 ``COMMAND [ARG]``; the answer is one line of JSON. ``listeners`` answers with the listening
 sockets' addresses and, in the same message, their file descriptors (SCM_RIGHTS), for a new
-instance taking over the port without ever closing the kernel's accept queue (HAProxy's ``-x``).
+instance taking over the port without ever closing the kernel's accept queue (HAProxy's ``-x``);
+the status server's listener comes last, when there is one (``status``: its address), so the
+status port changes hands the same way, with no moment where nobody listens.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class ControlServer:
         self.path = os.path.abspath(path)
         self.handler = handler
         self.clients: dict[int, tuple[socket.socket, bytes, float]] = {}
+        self.peers: dict[int, int] = {}  # client fd -> its process id (SO_PEERCRED)
+        self.peer_pid = 0  # the process whose command the handler is answering now
         if os.path.exists(self.path):
             if not stat.S_ISSOCK(os.stat(self.path).st_mode):
                 raise ControlError(f"{self.path} exists and is not a socket")
@@ -74,11 +78,12 @@ class ControlServer:
             except (BlockingIOError, InterruptedError):
                 return fds
             creds = client.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            _, uid, _ = struct.unpack("3i", creds)
+            pid, uid, _ = struct.unpack("3i", creds)
             if uid not in (os.getuid(), 0):
                 client.close()  # the file mode already keeps others out; this is belt and braces
                 continue
             client.setblocking(False)
+            self.peers[client.fileno()] = pid
             self.clients[client.fileno()] = (client, b"", time.monotonic() + CLIENT_TIMEOUT)
             fds.append(client.fileno())
 
@@ -97,6 +102,7 @@ class ControlServer:
             return False
         line = buffer.split(b"\n", 1)[0].decode("utf-8", "replace").strip()
         command, _, arg = line.partition(" ")
+        self.peer_pid = self.peers.get(fd, 0)
         try:
             answer, fds = self.handler(command.lower(), arg.strip())
         except Exception as exc:  # a broken command must not take the arbiter down
@@ -120,6 +126,7 @@ class ControlServer:
 
     def drop(self, fd: int) -> None:
         client, _, _ = self.clients.pop(fd)
+        self.peers.pop(fd, None)
         client.close()
 
     def close(self) -> None:
@@ -157,17 +164,25 @@ def request(path: str, command: str, timeout: float = 30.0) -> tuple[dict[str, A
         raise ControlError(f"no answer from {path}") from None
 
 
-def take_listeners(path: str) -> list[tuple[socket.socket, str]]:
-    """The old instance's listening sockets, received as fds: (socket, address) pairs."""
+def take_listeners(path: str) -> tuple[list[tuple[socket.socket, str]], socket.socket | None]:
+    """The old instance's listening sockets, received as fds: (socket, address) pairs, and its
+    status server's listener when it has one (its address is the answer's ``status``; an older
+    instance sends none)."""
     answer, fds = request(path, "listeners")
     if not answer.get("ok"):
-        raise ControlError(f"{path}: {answer.get('error', 'listeners refused')}")
-    addresses = answer.get("listeners", [])
-    if len(addresses) != len(fds):
         for fd in fds:
             os.close(fd)
-        raise ControlError(f"{path} sent {len(fds)} descriptors for {len(addresses)} listeners")
-    return [(socket.socket(fileno=fd), address) for fd, address in zip(fds, addresses)]
+        raise ControlError(f"{path}: {answer.get('error', 'listeners refused')}")
+    addresses = answer.get("listeners", [])
+    expected = len(addresses) + (1 if answer.get("status") else 0)
+    if expected != len(fds):
+        for fd in fds:
+            os.close(fd)
+        raise ControlError(f"{path} sent {len(fds)} descriptors for {len(addresses)} listeners"
+                           f"{' and a status listener' if answer.get('status') else ''}")
+    listeners = [(socket.socket(fileno=fd), address) for fd, address in zip(fds, addresses)]
+    status = socket.socket(fileno=fds[-1]) if answer.get("status") else None
+    return listeners, status
 
 
 def ctl_main(argv: Sequence[str]) -> int:

@@ -155,15 +155,15 @@ def check(name: str, prober: Prober, loads: Loads) -> None:
 
 
 def start(server_factory: Any, worker_class: str, *args: str, bind: str = "127.0.0.1:0",
-          status_bind: str = "127.0.0.1:0") -> Server:
+          status_bind: str = "127.0.0.1:0", app: str = "tests.apps:app") -> Server:
     """The app first: a trailing ``-sf PID`` list in ``args`` cannot swallow it."""
-    return server_factory("tests.apps:app", "-k", worker_class, "--status-bind", status_bind,
+    return server_factory(app, "-k", worker_class, "--status-bind", status_bind,
                           *args, app="", bind=bind)  # type: ignore[no-any-return]
 
 
 # -- USR2 -----------------------------------------------------------------------------------------
 
-def usr2s(server: Server, prober: Prober, loads: Loads) -> None:
+def usr2s(server: Server, prober: Prober | None, loads: Loads) -> None:
     for n in range(1, TIMES + 1):
         old = worker_set(server, 2, 20)
         server.signal(signal.SIGUSR2)
@@ -171,7 +171,8 @@ def usr2s(server: Server, prober: Prober, loads: Loads) -> None:
                  f"upgrade {n}\n{server.log_text()}")
         wait_for(lambda: not set(server.workers()) & old, 30, "the old workers to go")
         loads.wait_requests(20)
-        prober.wait_more(3)
+        if prober is not None:
+            prober.wait_more(3)
 
 
 @pytest.mark.parametrize("worker_class", WORKER_CLASSES)
@@ -232,3 +233,88 @@ def test_stand_in_answers_in_the_exec_window_and_leaves_no_orphan(server_factory
     server.wait_log("Upgrade complete", timeout=30)
     wait_for(lambda: stand_in not in server.workers(), 10, "the stand-in to be reaped")
     assert readyz(port, 5.0)[1]["state"] == "running"
+
+
+# -- -sf --takeover and -sf --reuse-port ----------------------------------------------------------
+
+def handoffs(server_factory: Any, first: Server, worker_class: str, prober: Prober | None,
+             loads: Loads, ctl_dir: Path, how: str, app: str = "tests.apps:app") -> list[Server]:
+    """TIMES successive ``-sf`` handoffs on the same ports; returns every instance, in order."""
+    chain = [first]
+    for n in range(1, TIMES + 1):
+        old = chain[-1]
+        args = ["--reuse-port"] if how == "reuse-port" else \
+            ["--takeover", str(ctl_dir / f"i{n - 1}.sock"), "--control-socket",
+             str(ctl_dir / f"i{n}.sock")]
+        new = start(server_factory, worker_class, *args, "-sf", str(old.pid), app=app,
+                    bind=f"127.0.0.1:{first.port}", status_bind=f"127.0.0.1:{first.status_port}")
+        chain.append(new)
+        new.wait_ready(30)
+        assert old.wait_exit(30) == 0, old.log_text()
+        assert new.status_port == first.status_port
+        loads.wait_requests(20)
+        if prober is not None:
+            prober.wait_more(3)
+    return chain
+
+
+@pytest.mark.parametrize("how", ["takeover", "reuse-port"])
+@pytest.mark.parametrize("worker_class", WORKER_CLASSES)
+def test_readyz_is_200_on_every_probe_through_sf_handoffs(server_factory: Any, ctl_dir: Path,
+                                                          worker_class: str, how: str) -> None:
+    args = ["--reuse-port"] if how == "reuse-port" else ["--control-socket",
+                                                          str(ctl_dir / "i0.sock")]
+    first = start(server_factory, worker_class, *args).wait_ready()
+    with Prober(first.status_port) as prober, Loads(first.port) as loads:
+        loads.wait_requests(20)
+        prober.wait_more(3)
+        chain = handoffs(server_factory, first, worker_class, prober, loads, ctl_dir, how)
+    check(f"-sf --{how} x{TIMES}, {worker_class}", prober, loads)
+    last = chain[-1]
+    for old in chain[:-1]:  # each left the port to its successor at its stop, answering no 503
+        old.wait_log("Left the status port to the successor", timeout=5)
+    # Every instance answered in its turn, the last one now; none answered while booting.
+    assert prober.states().get("booting", 0) == 0, prober.states()
+    assert readyz(last.status_port, 5.0) == (200, {"ready": True, "state": "running",
+                                                   "generation": 1, "reloading": False})
+    if how == "takeover":  # one listener all along: handed from instance to instance
+        taken = [r for s in chain[1:] for r in s.records()
+                 if "Took the status listener over" in r["message"]]
+        assert len(taken) == TIMES, [s.log_text() for s in chain[1:]]
+    last.signal(signal.SIGTERM)
+    assert last.wait_exit(20) == 0
+
+
+# -- behind a real HAProxy ------------------------------------------------------------------------
+
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed")
+@pytest.mark.parametrize("event", ["usr2", "takeover"])
+@pytest.mark.parametrize("worker_class", WORKER_CLASSES)
+def test_haproxy_never_runs_out_of_servers(server_factory: Any, ctl_dir: Path,
+                                           worker_class: str, event: str) -> None:
+    """HAProxy as bench/lifecycle.py runs it (backend keep-alive, /readyz on the status port
+    every 100 ms, fall 2, no retry-on) in front of one instance: 3 USR2s or 3 ``-sf
+    --takeover`` handoffs under keep-alive and new-connection load through it, and not one
+    503 "No server is available" (nor any other failure)."""
+    from bench.lifecycle_servers import Procs
+
+    app = "bench.apps_lifecycle:hello"
+    args = ["--control-socket", str(ctl_dir / "i0.sock")] if event == "takeover" else []
+    first = start(server_factory, worker_class, *args, app=app).wait_ready()
+    procs = Procs(ctl_dir)
+    try:
+        front = procs.haproxy(first.port, first.status_port)
+        with Loads(front) as loads:
+            loads.wait_requests(50)
+            if event == "usr2":
+                usr2s(first, None, loads)
+            else:
+                handoffs(server_factory, first, worker_class, None, loads, ctl_dir, "takeover",
+                         app=app)
+            loads.wait_requests(50)
+    finally:
+        notes = procs.close()
+    print(f"\n[HAProxy, {event} x{TIMES}, {worker_class}] {loads.summary()} {notes}")
+    no_server = [f for f in loads.failures if "No server is available" in f]
+    assert no_server == [], f"{len(no_server)} x 503 No server is available; {loads.summary()}"
+    assert loads.failures == [], f"{loads.summary()}: {loads.failures[:20]}"
