@@ -69,7 +69,9 @@ def _sse(start_response, out, ident, interval):
         n = 0
         try:
             while True:
-                yield f"id: {n}\ndata: {ident} {n}\n\n".encode()
+                # The emission time (wall clock: the test compares it with its own) tells the
+                # test which events were sent after the stop, whenever it reads them.
+                yield f"id: {n}\ndata: {ident} {n} {time.time():.6f}\n\n".encode()
                 n += 1
                 time.sleep(interval)
         except BaseException as exc:

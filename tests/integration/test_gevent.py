@@ -371,8 +371,8 @@ def test_five_hundred_sse_streams_stay_open_and_end_at_the_drain(
                and b"transfer-encoding: chunked" in st.head.lower() for st in all_streams)
     assert not any(st.eof or st.reset for st in all_streams), "a stream ended before TERM"
 
-    before = {id(st): len(st.events) for st in all_streams}
     t0 = time.monotonic()
+    term_wall = time.time()
     s.signal(signal.SIGTERM)
     pump(streams, lambda: all(st.eof or st.reset for st in all_streams), drain + grace + 2)
     open_still = [i for i, st in enumerate(all_streams) if not (st.eof or st.reset)]
@@ -387,8 +387,12 @@ def test_five_hundred_sse_streams_stay_open_and_end_at_the_drain(
     assert not partial, f"streams cut inside a chunk: {partial[:5]}"
     assert all(st.complete_events for st in all_streams)
     # Each finished the event it was on (at most one more after TERM) and then ended, long
-    # before the drain deadline.
-    assert all(len(st.events) <= before[id(st)] + 1 for st in all_streams)
+    # before the drain deadline. Counted by when the server sent them, not when this test
+    # read them: on a loaded machine events sent before the TERM are still being read after.
+    def sent_after_term(st: ChunkedStream) -> int:
+        return sum(1 for e in st.events if float(e.split()[-1]) > term_wall + 0.05)
+    late = [i for i, st in enumerate(all_streams) if sent_after_term(st) > 1]
+    assert not late, f"{len(late)} streams sent more than one event after TERM: {late[:10]}"
     latest = max(st.ended_at for st in all_streams if st.ended_at is not None) - t0
     assert latest < drain, f"the last stream ended {latest:.2f}s after TERM"
 
