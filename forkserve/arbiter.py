@@ -64,6 +64,7 @@ class WorkerHandle:
     booted: bool = False
     stopping: bool = False  # TERM or QUIT sent, or retiring on its own
     draining: bool = False  # it took the stop: its records now follow every change
+    deaf: bool = False  # paused (TTOU): it closed its listeners for good; it serves no newcomer
     retiring: str = ""  # why the worker leaves on its own (max-requests)
     boot_error: str = ""
     kill_reason: str = ""
@@ -638,6 +639,8 @@ class Arbiter:
         if self.status_server is not None and self.status_server.sock.fileno() >= 0:
             self.paused_status = self.status_server.stop_listening()
         # Workers serve what is queued, then close their copies: the port is then free.
+        for handle in self.workers.values():
+            handle.deaf = True
         self.signal_workers(signal.SIGTTOU, list(self.workers.values()))
         self.log.info("Paused: not listening", addresses=",".join(self.paused_addresses))
 
@@ -772,7 +775,7 @@ class Arbiter:
         serving = self.state is State.RUNNING or (self.state is State.BOOTING
                                                    and self.upgrading_from is not None)
         return (serving and not self.paused
-                and any(h.booted and not h.stopping for h in self.workers.values()))
+                and any(h.booted and not h.stopping and not h.deaf for h in self.workers.values()))
 
     def status(self) -> dict[str, Any]:
         """One snapshot of everything: the control socket's and /status's answer, and what
@@ -842,7 +845,8 @@ class Arbiter:
 
     # -- workers ---------------------------------------------------------------------------
     def spawn(self, worker_id: int, now: float) -> None:
-        handle = WorkerHandle(worker_id, self.generation, spawned_at=now, last_seen=now)
+        handle = WorkerHandle(worker_id, self.generation, spawned_at=now, last_seen=now,
+                              deaf=self.paused)  # spawned while paused: it has no listener
         pid = sigs.fork_with_signals_blocked()
         if pid == 0:  # the child: never returns into the arbiter's loop
             try:
