@@ -30,9 +30,10 @@ from forkserve.lifecycle import Event, State, next_state
 from forkserve.logs import Log
 from forkserve.metrics import ENV as METRICS_ENV
 from forkserve.metrics import RELOADS_HELP, RESTARTS_HELP
-from forkserve.sockets import BindError, Listener, bind, refuse_new_connections
+from forkserve.sockets import (BindError, Listener, bind, holds_socket, other_listeners,
+                               refuse_new_connections, steer_new_connections_here)
 from forkserve.status import (RETRY_AFTER, ArbiterCollector, Answer, StatusServer, bind_status,
-                              holds_socket, other_listeners, rss_bytes, run_stand_in)
+                              rss_bytes, run_stand_in)
 from forkserve.workers import worker_class
 from forkserve.workers.base import WorkerSettings
 
@@ -942,6 +943,14 @@ class Arbiter:
         """-sf / -st: we serve now, so the instances we replace can go."""
         if self.inherited is not None:
             return  # an upgraded image: those PIDs were dealt with long ago (and may be reused)
+        if self.config.soft_stop or self.config.hard_stop:
+            for listener in self.listeners:
+                # --reuse-port: from now on the kernel gives every new connection to us, none
+                # to the instances we replace: they drain a queue that only shrinks and close
+                # it, and no client's SYN is dropped or reset meanwhile.
+                if steer_new_connections_here(listener.sock):
+                    self.log.info("Handoff: new connections now come to this instance",
+                                  listening=listener.name())
         for pids, signum in ((self.config.soft_stop, signal.SIGTERM),
                              (self.config.hard_stop, signal.SIGQUIT)):
             for pid in pids:

@@ -177,7 +177,6 @@ def refuse_new_connections(listener: Listener) -> bool:
 def held_elsewhere(sock: socket.socket) -> bool:
     """Does a process other than this one and its children hold this socket (read from
     /proc)? Where that cannot be told for some process, it counts as held."""
-    target = f"socket:[{os.fstat(sock.fileno()).st_ino}]"
     me = os.getpid()
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == me:
@@ -186,17 +185,13 @@ def held_elsewhere(sock: socket.socket) -> bool:
             with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as fh:
                 if int(fh.read().rsplit(")", 1)[1].split()[1]) == me:
                     continue  # our own worker
-            fds = os.listdir(f"/proc/{entry}/fd")
+            os.listdir(f"/proc/{entry}/fd")
         except FileNotFoundError:
             continue  # gone meanwhile
         except OSError:
             return True  # not ours to look at: assume it may hold it
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{entry}/fd/{fd}") == target:
-                    return True
-            except OSError:
-                continue  # closed meanwhile
+        if holds_socket(int(entry), sock):
+            return True
     return False
 
 
@@ -260,3 +255,121 @@ def bind(addresses: list[str], backlog: int, reuse_port: bool = False,
     for listener in listeners:
         listener.sock.setblocking(False)
     return listeners
+
+
+# -- who else holds or serves a port ---------------------------------------------------------------
+
+def _proc_address(hex_address: str) -> tuple[str, int]:
+    """An address of /proc/net/tcp[6] (host byte order in 32-bit words) as (host, port)."""
+    host, _, port = hex_address.partition(":")
+    raw = bytes.fromhex(host)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
+    return socket.inet_ntop(family, words), int(port, 16)
+
+
+NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY = 4, 20
+NLM_F_REQUEST, NLM_F_DUMP, NLMSG_ERROR, NLMSG_DONE = 0x1, 0x300, 2, 3
+TCP_LISTEN = 10
+
+
+def _listeners_by_diag(family: int) -> list[tuple[str, int, int]]:
+    """(host, port, inode) of every listening TCP socket of ``family``, from the kernel's
+    sock_diag netlink interface: it is asked for LISTEN sockets only, where /proc/net/tcp
+    lists every connection too (tens of thousands of TIME_WAIT entries under load: reading it
+    took the arbiter's loop 100 ms and more)."""
+    # struct inet_diag_req_v2: family, protocol, ext, pad, states; then a zeroed sockid (48)
+    request = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 1 << TCP_LISTEN) + bytes(48)
+    header = struct.pack("=IHHII", 16 + len(request), SOCK_DIAG_BY_FAMILY,
+                         NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
+    found = []
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
+        nl.settimeout(1.0)
+        nl.sendto(header + request, (0, 0))
+        while True:
+            data = nl.recv(1 << 16)
+            offset = 0
+            while offset + 16 <= len(data):
+                length, kind = struct.unpack_from("=IH", data, offset)
+                if kind == NLMSG_DONE:
+                    return found
+                if kind == NLMSG_ERROR or length < 16:
+                    raise OSError("sock_diag refused the request")
+                # struct inet_diag_msg: family, state, timer, retrans, sockid (sport and dport
+                # big-endian, src, dst, if, cookie), expires, rqueue, wqueue, uid, inode
+                body = offset + 16
+                port = struct.unpack_from("!H", data, body + 4)[0]
+                size = 4 if family == socket.AF_INET else 16
+                host = socket.inet_ntop(family, data[body + 8:body + 8 + size])
+                inode = struct.unpack_from("=I", data, body + 68)[0]
+                found.append((host, port, inode))
+                offset += (length + 3) & ~3
+
+
+def _listeners_by_proc(family: int) -> list[tuple[str, int, int]]:
+    table = "/proc/net/tcp6" if family == socket.AF_INET6 else "/proc/net/tcp"
+    with open(table, encoding="ascii") as fh:
+        rows = [line.split() for line in fh.readlines()[1:]]
+    return [(*_proc_address(row[1]), int(row[9])) for row in rows
+            if len(row) > 9 and row[3] == "0A"]
+
+
+def other_listeners(sock: socket.socket) -> int:
+    """How many other listening sockets share this one's address and port (SO_REUSEPORT: a
+    successor's, or a predecessor's); 0 where it cannot be told."""
+    try:
+        host, port = sock.getsockname()[:2]
+        inode = os.fstat(sock.fileno()).st_ino
+    except OSError:
+        return 0
+    try:
+        listeners = _listeners_by_diag(sock.family)
+    except OSError:
+        try:
+            listeners = _listeners_by_proc(sock.family)
+        except OSError:
+            return 0
+    return sum(1 for h, p, i in listeners if (h, p) == (host, port) and i != inode)
+
+
+SO_ATTACH_REUSEPORT_CBPF = getattr(socket, "SO_ATTACH_REUSEPORT_CBPF", 51)
+
+
+def steer_new_connections_here(sock: socket.socket) -> bool:
+    """A successor that just joined a SO_REUSEPORT port (listen() put it last in the kernel's
+    group, at index N-1): a reuseport program ``ret #N-1`` sends every new connection to it, so
+    the instances it replaces get none from now on and can close their listeners with an
+    empty queue at their stop (nothing reset, no SYN dropped). When one of them closes, the
+    kernel moves the last socket into its slot and the index falls out of range: selection
+    falls back to the hash, among what is left. False where it does not apply or fails."""
+    try:
+        if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT):
+            return False
+    except OSError:
+        return False
+    index = other_listeners(sock)
+    if index == 0:
+        return False  # alone on the port: nothing to steer
+    program = ctypes.create_string_buffer(struct.pack("HBBI", 0x06, 0, 0, index))  # ret #index
+    fprog = struct.pack("HL", 1, ctypes.addressof(program))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_REUSEPORT_CBPF, fprog)
+    except OSError:
+        return False
+    return True
+
+
+def holds_socket(pid: int, sock: socket.socket) -> bool:
+    """Does process ``pid`` still hold this very socket (one we passed it)?"""
+    try:
+        wanted = f"socket:[{os.fstat(sock.fileno()).st_ino}]"
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == wanted:
+                return True
+        except OSError:
+            continue  # closed while we looked
+    return False
