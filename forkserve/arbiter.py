@@ -32,8 +32,8 @@ from forkserve.metrics import ENV as METRICS_ENV
 from forkserve.metrics import RELOADS_HELP, RESTARTS_HELP
 from forkserve.sockets import (BindError, Listener, bind, holds_socket, other_listeners,
                                refuse_new_connections, steer_new_connections_here)
-from forkserve.status import (RETRY_AFTER, ArbiterCollector, Answer, StatusServer, bind_status,
-                              rss_bytes, run_stand_in)
+from forkserve.status import (OPENMETRICS_PATH, RETRY_AFTER, ArbiterCollector, Answer,
+                              StatusServer, bind_status, rss_bytes, run_stand_in)
 from forkserve.workers import worker_class
 from forkserve.workers.base import WorkerSettings
 
@@ -564,7 +564,9 @@ class Arbiter:
     def stand_in_answers(self) -> dict[str, Answer]:
         """What the stand-in answers, by path: the old image's view at the exec. Readiness is
         as it is now (the workers go on serving through the exec); /status is the last
-        snapshot, marked "upgrading"; /metrics and the rest ask to retry."""
+        snapshot, marked "upgrading"; /metrics the last exposition, in both formats (a scrape
+        during the exec gets valid, monotonic numbers a moment old, not a failed scrape); the
+        rest asks to retry."""
         ready = self.ready()
         snapshot = {**self.status(), "state": "upgrading"}
         return {
@@ -573,9 +575,18 @@ class Arbiter:
                                                      "generation": self.generation,
                                                      "reloading": True}),
             "/status": _json(200, snapshot),
-            "/metrics": (503, "text/plain; charset=utf-8",
-                         b"upgrading; the metrics are back in a moment\n", RETRY_AFTER),
+            "/metrics": self.last_metrics(b""),
+            OPENMETRICS_PATH: self.last_metrics(b"application/openmetrics-text"),
         }
+
+    def last_metrics(self, accept: bytes) -> Answer:
+        """/metrics as it is now (the numbers the workers last reported), for the stand-in."""
+        try:
+            return self.status_page("/metrics", {b"accept": accept})
+        except Exception as exc:  # the stand-in asks scrapers to retry instead
+            self.log.exception("The stand-in's metrics could not be rendered", exc)
+            return (503, "text/plain; charset=utf-8",
+                    b"upgrading; the metrics are back in a moment\n", RETRY_AFTER)
 
     def fork_stand_in(self) -> int:
         """The status stand-in (see forkserve.status.run_stand_in): a child holding only the

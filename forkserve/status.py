@@ -368,6 +368,9 @@ STAND_IN_FINISH = 1.0  # seconds its accepted requests get once it is told to st
 RETRY_AFTER = (("Retry-After", "1"),)
 
 
+OPENMETRICS_PATH = "/metrics (OpenMetrics)"  # the stand-in's key for that format's answer
+
+
 def run_stand_in(sock: socket.socket, wakeup_fd: int, alive_fd: int,
                  answers: dict[str, Answer], log: Any,
                  lifetime: float = STAND_IN_LIFETIME) -> int:
@@ -383,6 +386,8 @@ def run_stand_in(sock: socket.socket, wakeup_fd: int, alive_fd: int,
     def handler(method: str, path: str, headers: dict[bytes, bytes]) -> Answer:
         nonlocal answered
         answered += 1
+        if path == "/metrics" and b"application/openmetrics-text" in headers.get(b"accept", b""):
+            path = OPENMETRICS_PATH
         return answers.get(path, fallback)
 
     poller = select.poll()

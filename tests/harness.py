@@ -348,11 +348,15 @@ def closed_without_response(sock: socket.socket, timeout: float = 10.0) -> bool:
 
 
 def refused(port: int) -> bool:
+    """Is a new connection to this port refused? A stopping server drops new SYNs until its
+    port closes: a connect that times out is not refused yet (False: ask again)."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1.0):
             return False
     except ConnectionRefusedError:
         return True
+    except TimeoutError:
+        return False
 
 
 class Gate:

@@ -20,13 +20,14 @@ status (another non-200), other; a stop test may allow ``refused`` after the sto
 
 from __future__ import annotations
 
+import json
 import select
 import socket
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
-from tests.harness import Response, get, read_response, wait_for
+from tests.harness import Response, get, parse_head, read_response, wait_for
 
 
 class Load:
@@ -203,3 +204,76 @@ def failure_kind(exc: BaseException) -> str:
     if "before a full response head" in text or "body truncated" in text:
         return "partial"
     return "other"
+
+
+# -- readiness probes ---------------------------------------------------------------------------
+
+def readyz(port: int, timeout: float = 10.0) -> tuple[int, dict[str, Any]]:
+    """One /readyz on a fresh connection, read to the server's close."""
+    deadline = time.monotonic() + timeout
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(b"GET /readyz HTTP/1.1\r\nHost: s\r\n\r\n")
+        data = b""
+        while True:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    status, _, body = parse_head(data)
+    return status, json.loads(body)
+
+
+class Prober:
+    """/readyz in a loop on a thread until stopped (bounded by ``seconds``); every answer and
+    every failure (refused, reset, timed out, garbled) is kept."""
+
+    def __init__(self, port: int, seconds: float = 150.0, timeout: float = 10.0) -> None:
+        self.port = port
+        self.seconds = seconds
+        self.timeout = timeout  # one probe: waiting longer is a failure
+        self.answers: list[tuple[int, dict[str, Any]]] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="readyz-prober", daemon=True)
+        self.started_at = 0.0
+
+    def __enter__(self) -> "Prober":
+        self.started_at = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        deadline = self.started_at + self.seconds
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            try:
+                self.answers.append(readyz(self.port, self.timeout))
+            except Exception as exc:  # noqa: BLE001 - every failure is recorded, none hidden
+                self.failures.append(f"{time.monotonic() - self.started_at:.3f}s {exc!r}")
+            self._stop.wait(0.005)  # pacing between probes, not a wait for anything
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(self.timeout + 5)
+        assert not self._thread.is_alive(), "the prober did not stop"
+
+    def wait_more(self, count: int, timeout: float = 10.0) -> None:
+        """Until ``count`` more probes were answered (or failed) than now."""
+        target = len(self.answers) + len(self.failures) + count
+        wait_for(lambda: len(self.answers) + len(self.failures) >= target, timeout,
+                 f"{count} more probes")
+
+    def states(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for _, body in list(self.answers):
+            out[body.get("state", "?")] = out.get(body.get("state", "?"), 0) + 1
+        return out
+
+    def not_ready(self) -> list[tuple[int, dict[str, Any]]]:
+        return [a for a in list(self.answers) if a[0] != 200]
+
+    def count(self, predicate: Any) -> int:
+        return sum(1 for answer in list(self.answers) if predicate(answer))

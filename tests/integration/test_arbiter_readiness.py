@@ -11,69 +11,18 @@ per probe for the whole run (bounded in time), recording every answer or failure
 
 from __future__ import annotations
 
-import json
 import signal
-import socket
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.harness import parse_head, read_response, send_get, wait_for, worker_set
-from tests.load import Load
+from tests.harness import read_response, send_get, wait_for, worker_set
+from tests.load import Load, Prober, readyz
 
 STATUS = ("--status-bind", "127.0.0.1:0")
 WORKER_CLASSES = ["sync", "thread", "gevent"]
-PROBE_TIMEOUT = 10.0  # one probe: the new image accepts it once it has imported (~0.5 s)
-
-
-def readyz(port: int, timeout: float = PROBE_TIMEOUT) -> tuple[int, dict[str, Any]]:
-    """One /readyz on a fresh connection, read to the server's close."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        sock.sendall(b"GET /readyz HTTP/1.1\r\nHost: s\r\n\r\n")
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    status, _, body = parse_head(data)
-    return status, json.loads(body)
-
-
-class Prober:
-    """/readyz in a loop on a thread, until stopped or ``seconds`` have passed."""
-
-    def __init__(self, port: int, seconds: float = 120.0) -> None:
-        self.port = port
-        self.seconds = seconds
-        self.answers: list[tuple[int, dict[str, Any]]] = []
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="readyz-prober", daemon=True)
-
-    def __enter__(self) -> "Prober":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def _run(self) -> None:
-        deadline = time.monotonic() + self.seconds
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            try:
-                self.answers.append(readyz(self.port))
-            except Exception as exc:  # noqa: BLE001 - every failure is recorded, none hidden
-                self.failures.append(repr(exc))
-            self._stop.wait(0.005)  # pacing between probes, not a wait for anything
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(PROBE_TIMEOUT + 5)
-        assert not self._thread.is_alive(), "the prober did not stop"
-
-    def count(self, predicate: Any) -> int:
-        return sum(1 for answer in list(self.answers) if predicate(answer))
 
 
 @pytest.mark.parametrize("worker_class", WORKER_CLASSES)

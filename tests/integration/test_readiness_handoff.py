@@ -20,20 +20,17 @@ bench/lifecycle.py does: backend keep-alive, ``option httpchk GET /readyz`` ever
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 import socket
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
 from tests.harness import Server, parse_head, wait_for, worker_set
-from tests.load import Load
+from tests.load import Load, Prober, readyz
 
 WORKER_CLASSES = ["sync", "thread", "gevent"]
 PROBE_TIMEOUT = 1.0  # a probe that waits longer is a failed check (HAProxy's wait 100 ms)
@@ -46,73 +43,6 @@ def ctl_dir() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="fsrh-", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-def readyz(port: int, timeout: float = PROBE_TIMEOUT) -> tuple[int, dict[str, Any]]:
-    """One /readyz on a fresh connection, read to the server's close."""
-    deadline = time.monotonic() + timeout
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        sock.sendall(b"GET /readyz HTTP/1.1\r\nHost: s\r\n\r\n")
-        data = b""
-        while True:
-            sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-    status, _, body = parse_head(data)
-    return status, json.loads(body)
-
-
-class Prober:
-    """/readyz in a loop on a thread until stopped (bounded by ``seconds``); every answer and
-    every failure (refused, reset, timed out, garbled) is kept."""
-
-    def __init__(self, port: int, seconds: float = 150.0) -> None:
-        self.port = port
-        self.seconds = seconds
-        self.answers: list[tuple[int, dict[str, Any]]] = []
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="readyz-prober", daemon=True)
-        self.started_at = 0.0
-
-    def __enter__(self) -> "Prober":
-        self.started_at = time.monotonic()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def _run(self) -> None:
-        deadline = self.started_at + self.seconds
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            try:
-                self.answers.append(readyz(self.port))
-            except Exception as exc:  # noqa: BLE001 - every failure is recorded, none hidden
-                self.failures.append(f"{time.monotonic() - self.started_at:.3f}s {exc!r}")
-            self._stop.wait(0.005)  # pacing between probes, not a wait for anything
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(PROBE_TIMEOUT + 5)
-        assert not self._thread.is_alive(), "the prober did not stop"
-
-    def wait_more(self, count: int, timeout: float = 10.0) -> None:
-        """Until ``count`` more probes were answered (or failed) than now."""
-        target = len(self.answers) + len(self.failures) + count
-        wait_for(lambda: len(self.answers) + len(self.failures) >= target, timeout,
-                 f"{count} more probes")
-
-    def states(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for _, body in list(self.answers):
-            out[body.get("state", "?")] = out.get(body.get("state", "?"), 0) + 1
-        return out
-
-    def not_ready(self) -> list[tuple[int, dict[str, Any]]]:
-        return [a for a in list(self.answers) if a[0] != 200]
 
 
 class Loads:
@@ -180,7 +110,7 @@ def test_readyz_is_200_on_every_probe_through_usr2s(server_factory: Any,
                                                     worker_class: str) -> None:
     server = start(server_factory, worker_class).wait_ready()
     port = server.status_port
-    with Prober(port) as prober, Loads(server.port) as loads:
+    with Prober(port, timeout=PROBE_TIMEOUT) as prober, Loads(server.port) as loads:
         loads.wait_requests(20)
         prober.wait_more(3)
         usr2s(server, prober, loads)
@@ -203,8 +133,9 @@ def test_stand_in_answers_in_the_exec_window_and_leaves_no_orphan(server_factory
     """What the stand-in answers, and that it goes by itself: with the new image held before
     it can answer (its first status answer comes after its config is read, so a config file
     it cannot read fast does not help; instead: SIGSTOP the arbiter right after the exec and
-    look at the stand-in alone), /readyz and /healthz are 200 "upgrading", /metrics 503 with
-    Retry-After; then SIGCONT, and the stand-in is stopped and reaped."""
+    look at the stand-in alone), /readyz and /healthz are 200 "upgrading", /metrics the last
+    exposition, anything else 503 with Retry-After; then SIGCONT, and the stand-in is stopped
+    and reaped."""
     server = start(server_factory, "sync").wait_ready()
     port = server.status_port
     server.signal(signal.SIGUSR2)
@@ -217,13 +148,21 @@ def test_stand_in_answers_in_the_exec_window_and_leaves_no_orphan(server_factory
         status, body = readyz(port, 5.0)
         assert (status, body) == (200, {"ready": True, "state": "upgrading", "generation": 1,
                                         "reloading": True})
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: s\r\n\r\n")
-            data = b""
-            while chunk := sock.recv(65536):
-                data += chunk
-        status, headers, _ = parse_head(data)
-        assert status == 503 and headers["retry-after"] == "1", data
+        def fetch(path: str, accept: str = "*/*") -> tuple[int, dict[str, str], bytes]:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(f"GET {path} HTTP/1.1\r\nHost: s\r\nAccept: {accept}\r\n\r\n".encode())
+                data = b""
+                while chunk := sock.recv(65536):
+                    data += chunk
+            return parse_head(data)
+        # A scrape gets the last numbers (valid, a moment old), in the format it asks for.
+        status, headers, body = fetch("/metrics")
+        assert status == 200 and b"forkserve_state" in body, (status, body[:200])
+        assert headers["content-type"].startswith("text/plain"), headers
+        status, headers, body = fetch("/metrics", "application/openmetrics-text")
+        assert status == 200 and body.rstrip().endswith(b"# EOF"), (status, body[-200:])
+        status, headers, _ = fetch("/nothing-here")
+        assert status == 503 and headers["retry-after"] == "1", headers
         # It holds the status listener and the log, never a main listener or the pipes.
         fds = {Path(f"/proc/{stand_in}/fd/{fd}").readlink().as_posix()
                for fd in map(str, range(3, 64)) if Path(f"/proc/{stand_in}/fd/{fd}").exists()}
@@ -265,7 +204,7 @@ def test_readyz_is_200_on_every_probe_through_sf_handoffs(server_factory: Any, c
     args = ["--reuse-port"] if how == "reuse-port" else ["--control-socket",
                                                           str(ctl_dir / "i0.sock")]
     first = start(server_factory, worker_class, *args).wait_ready()
-    with Prober(first.status_port) as prober, Loads(first.port) as loads:
+    with Prober(first.status_port, timeout=PROBE_TIMEOUT) as prober, Loads(first.port) as loads:
         loads.wait_requests(20)
         prober.wait_more(3)
         chain = handoffs(server_factory, first, worker_class, prober, loads, ctl_dir, how)
