@@ -51,6 +51,19 @@ def opened() -> Any:
         sock.close()
 
 
+def held_and_queued(port: int, gate: Gate, count: int,
+                    opened: list[socket.socket]) -> tuple[socket.socket, list[socket.socket]]:
+    """One request held in the app (the only worker busy), then ``count`` clients waiting in
+    the accept queue behind it."""
+    held = send_get(port, f"/block?fifo={gate.path}")
+    opened.append(held)
+    gate.wait_entered()
+    queued = [send_get(port, "/") for _ in range(count)]
+    opened.extend(queued)
+    wait_for(lambda: accept_queue(port) == count, 5, f"{count} clients in the accept queue")
+    return held, queued
+
+
 def read_all(sock: socket.socket, timeout: float = 10.0) -> bytes:
     sock.settimeout(timeout)
     data = b""
@@ -112,12 +125,7 @@ def test_busy_sync_worker_with_a_queue_refuses_new_clients(server_factory: Any, 
                                                            opened: list[socket.socket]) -> None:
     server = server_factory("--drain-timeout", "20", workers=1).wait_ready()
     gate = gates()
-    held = send_get(server.port, f"/block?fifo={gate.path}")
-    opened.append(held)
-    gate.wait_entered()
-    queued = [send_get(server.port, "/") for _ in range(2)]
-    opened.extend(queued)
-    wait_for(lambda: accept_queue(server.port) == 2, 5, "two clients in the accept queue")
+    held, queued = held_and_queued(server.port, gate, 2, opened)
     server.signal(signal.SIGTERM)
     server.wait_log("Stopped accepting")
     # The only worker is busy until the gate opens; the queue cannot empty meanwhile. New
@@ -149,12 +157,7 @@ def test_queue_served_at_stop_after_a_failed_takeover(server_factory: Any, gates
         assert successor.returncode == 4, successor.stderr.decode()
         assert old.proc.poll() is None
         gate = gates()
-        held = send_get(old.port, f"/block?fifo={gate.path}")
-        opened.append(held)
-        gate.wait_entered()
-        queued = [send_get(old.port, "/") for _ in range(3)]
-        opened.extend(queued)
-        wait_for(lambda: accept_queue(old.port) == 3, 5, "three clients in the accept queue")
+        held, queued = held_and_queued(old.port, gate, 3, opened)
         old.signal(signal.SIGTERM)
         old.wait_log("Stopped accepting")
         gate.release()
@@ -171,12 +174,7 @@ def test_every_client_queued_at_the_deadline_gets_a_503(server_factory: Any, gat
                                                         opened: list[socket.socket]) -> None:
     server = server_factory("--drain-timeout", "1", "--cancel-grace", "4", workers=1).wait_ready()
     gate = gates()
-    held = send_get(server.port, f"/block?fifo={gate.path}")
-    opened.append(held)
-    gate.wait_entered()
-    queued = [send_get(server.port, "/") for _ in range(5)]
-    opened.extend(queued)
-    wait_for(lambda: accept_queue(server.port) == 5, 5, "five clients in the accept queue")
+    held, queued = held_and_queued(server.port, gate, 5, opened)
     server.signal(signal.SIGTERM)
     statuses = []
     for sock in queued:
