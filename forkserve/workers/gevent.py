@@ -77,8 +77,7 @@ class GeventWorker(SyncWorker):
         # A request in the application is cancelled by its greenlet's kill (_g_cancel).
         if state is not RUNNING:
             self.stop_cutoff(conn)
-        # The stop pipe stays readable: watch the cancel pipe next (and nothing after it).
-        conn.interrupt_on(self.cancel_r if conn.interrupt_fd != self.cancel_r else -1)
+        self.next_interrupt(conn)
         return False
 
     def _should_close(self) -> bool:
@@ -89,8 +88,7 @@ class GeventWorker(SyncWorker):
         from gevent.pool import Pool
 
         self.setup_http()
-        self.stop_r, self.stop_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.cancel_r, self.cancel_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.open_stop_pipes()
         limit = min(self.worker_connections, self.max_connections or self.worker_connections)
         self.conn_pool = Pool(limit)
         self.acceptors = [gevent.spawn(self._acceptor, listener) for listener in self.listeners]
@@ -202,13 +200,7 @@ class GeventWorker(SyncWorker):
         self.drain_reported = self.counters.draining()
         self._wake_acceptors()
         # Every wait on a client wakes and applies the stop's graces itself (_stop_interrupted).
-        self._write_once("stop_w")
-
-    def _write_once(self, name: str) -> None:
-        fd = getattr(self, name, -1)
-        if fd >= 0:
-            setattr(self, name, -1)
-            os.write(fd, b"\0")  # never drained: the pipe stays readable
+        self.signal_stop()
 
     def request_done(self) -> None:
         super().request_done()
@@ -232,8 +224,7 @@ class GeventWorker(SyncWorker):
         if self.state is not WorkerState.HALTING:
             self.state = WorkerState.CANCELLED
         self._wake_acceptors()
-        self._write_once("stop_w")
-        self._write_once("cancel_w")  # waits for a request head end (_stop_interrupted)
+        self.signal_stop(cancel=True)  # waits for a request head end (_stop_interrupted)
         for conn in list(self.connections):
             if conn.exchange is not None or conn.released:
                 self._cancel(conn)

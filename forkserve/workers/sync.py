@@ -10,6 +10,7 @@ each other's idle timeout (uWSGI's http11-socket does make them wait).
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import time
@@ -53,6 +54,29 @@ class SyncWorker(Worker):
         self.taken: list[tuple[socket.socket, Any, Listener]] = []  # see _on_alarm
         self.queue_checks = 0  # alarms in a row that found the accept queue no shorter
         self.queue_seen = 0
+
+    # -- the thread and gevent workers' waits on clients ------------------------------------
+    def open_stop_pipes(self) -> None:
+        """Two pipes that waits on clients watch (thread and gevent workers; a sync worker's
+        waits watch its signal pipe): one byte each, written once, at the stop and at the
+        drain deadline. Never drained, so every wait, now or later, sees them."""
+        self.stop_r, self.stop_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.cancel_r, self.cancel_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.stop_signalled = self.cancel_signalled = False
+
+    def signal_stop(self, cancel: bool = False) -> None:
+        """Wake every wait on a client (see open_stop_pipes); at the deadline, twice."""
+        if not self.stop_signalled:
+            self.stop_signalled = True
+            os.write(self.stop_w, b"\0")
+        if cancel and not self.cancel_signalled:
+            self.cancel_signalled = True
+            os.write(self.cancel_w, b"\0")  # waits that already took the stop watch this one
+
+    def next_interrupt(self, conn: Connection) -> None:
+        """A wait took the stop pipe's byte: it watches the cancel pipe next, then nothing
+        (both stay readable: watching one again would spin)."""
+        conn.interrupt_on(self.cancel_r if conn.interrupt_fd != self.cancel_r else -1)
 
     def open_connection(self, sock: socket.socket, remote: tuple[str, str]) -> Connection:
         conn = Connection(sock, remote, self.settings.limits, self.settings.header_timeout,

@@ -63,15 +63,8 @@ class ThreadWorker(SyncWorker):
             return True
         if state is not RUNNING:
             self.stop_cutoff(conn)
-        # The stop pipe stays readable: watch the cancel pipe next (and nothing after it).
-        conn.interrupt_on(self.cancel_r if conn.interrupt_fd != self.cancel_r else -1)
+        self.next_interrupt(conn)
         return False
-
-    def _signal_stop(self) -> None:
-        """Wake every pool thread waiting on a client (the pipe is never drained)."""
-        if not self.stop_signalled:
-            self.stop_signalled = True
-            os.write(self.stop_w, b"\0")
 
     def _should_close(self) -> bool:
         """-- runs in a pool thread. A stop signal may have been taken by this very thread's C
@@ -97,9 +90,7 @@ class ThreadWorker(SyncWorker):
         self.work: queue.SimpleQueue[tuple[Connection, Listener] | None] = queue.SimpleQueue()
         self.back: queue.SimpleQueue[tuple[Connection, Listener]] = queue.SimpleQueue()
         self.back_r, self.back_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.stop_r, self.stop_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.cancel_r, self.cancel_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.stop_signalled = False
+        self.open_stop_pipes()
         self.signal_polls = threading.local()
         self.pool_threads = [threading.Thread(target=self._run, name=f"forkserve-request-{i}",
                                               daemon=True) for i in range(threads)]
@@ -144,7 +135,7 @@ class ThreadWorker(SyncWorker):
             else:
                 self._stop_listening(state)
             if state is not RUNNING:
-                self._signal_stop()
+                self.signal_stop()
             if state is not RUNNING and not self.idle and self.counters.active_connections == 0:
                 return
             if state is WorkerState.HALTING:
@@ -346,8 +337,7 @@ class ThreadWorker(SyncWorker):
         thread waiting on its client is woken by the stop pipe (one atomic write)."""
         if self.state is not WorkerState.HALTING:
             self.state = WorkerState.CANCELLED
-        self._signal_stop()
-        os.write(self.cancel_w, b"\0")  # waits that already took the stop watch this one
+        self.signal_stop(cancel=True)
         for conn in list(self.connections):
             ident = conn.owner
             # A thread waiting on its client (conn.waiting) is ended by the stop pipe; one in
