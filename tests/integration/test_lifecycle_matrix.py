@@ -29,7 +29,13 @@ from bench.lifecycle import ACCEPT_STOP, EXIT_AFTER_LAST, REPLACEMENT, Cell, run
 
 CLASSES = ["sync", "thread", "gevent"]
 CLIENTS = 8
-SCHEDULING_SLACK = 0.1
+# The bench (bench/lifecycle.py) judges the figures strictly: accepting stops within
+# 100 ms, exit within 20 ms of the last response, a killed worker replaced within 1 s. The suite
+# must pass on a loaded machine too (CI beside other work, the suite run twice at once), where a
+# process can wait its turn for the CPU for hundreds of milliseconds: here those bounds get a
+# second of room. They still catch what they guard against: accepting for the whole drain,
+# an exit held up by a linger (1 s), a worker not replaced at all.
+SCHEDULING_SLACK = 1.0
 
 
 @pytest.fixture
