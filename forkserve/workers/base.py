@@ -263,11 +263,14 @@ class Worker:
             for listener in self.listeners:
                 if listener.sock.fileno() < 0:
                     continue
-                if accept_queue_empty(listener):
+                length = accept_queue_length(listener)
+                if length == 0:
                     listener.sock.close()
                     self.listeners_changed = True
-                else:
+                elif length is not None:
                     still_queued = True
+                # A unix socket's queue cannot be measured: the loop drains it after the
+                # request (no alarms for it, which would only interrupt the app's calls).
         self._watch_queue(still_queued)
 
     def _watch_queue(self, on: bool) -> None:
@@ -448,11 +451,6 @@ def queued_clients(listeners: list[Listener]) -> int:
             length = 0 if listener.sock.fileno() < 0 else socket.SOMAXCONN
         total += length
     return total
-
-
-def accept_queue_empty(listener: Listener) -> bool:
-    """Unknown (a unix socket) counts as not empty: then the loop drains it after the request."""
-    return accept_queue_length(listener) == 0
 
 
 def _set_title(title: str) -> None:
