@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -42,3 +44,12 @@ def gates(tmp_path: Path) -> Iterator[Any]:
     yield make
     for gate in made:
         gate.release()
+
+
+@pytest.fixture
+def ctl_dir() -> Iterator[Path]:
+    """A short directory for unix sockets such as control sockets (sun_path holds 107 bytes,
+    more than pytest's tmp_path leaves)."""
+    path = Path(tempfile.mkdtemp(prefix="fs-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

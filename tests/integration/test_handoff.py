@@ -7,13 +7,11 @@ per request: a connection refused or reset during the handoff is a failed reques
 
 from __future__ import annotations
 
-import shutil
 import signal
 import socket
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -27,12 +25,6 @@ THREADS = 4
 
 # -- helpers ------------------------------------------------------------------------------------
 
-@pytest.fixture
-def ctl_dir() -> Iterator[Path]:
-    """A short directory for unix sockets (sun_path holds 107 bytes)."""
-    path = Path(tempfile.mkdtemp(prefix="fsho-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def version_file(tmp_path: Path, name: str) -> Path:

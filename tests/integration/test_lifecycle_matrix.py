@@ -18,10 +18,7 @@ finding. The longer cells are marked ``slow``.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -38,12 +35,6 @@ CLIENTS = 8
 SCHEDULING_SLACK = 1.0
 
 
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    """A short directory for the control sockets (sun_path holds 107 bytes)."""
-    path = Path(tempfile.mkdtemp(prefix="fslm-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def run(tmp: Path, worker_class: str, event: str, times: int = 1, clients: str = "close",
@@ -86,43 +77,43 @@ def assert_term(cell: Cell) -> None:
 # -- the default run (about a minute per worker class) -------------------------------------------
 
 @pytest.mark.parametrize("worker_class", CLASSES)
-def test_term_under_load(short_tmp: Path, worker_class: str) -> None:
-    assert_term(run(short_tmp, worker_class, "term"))
+def test_term_under_load(ctl_dir: Path, worker_class: str) -> None:
+    assert_term(run(ctl_dir, worker_class, "term"))
 
 
 @pytest.mark.parametrize("worker_class", CLASSES)
-def test_five_hups_with_keepalive_clients(short_tmp: Path, worker_class: str) -> None:
-    assert_nothing_lost(run(short_tmp, worker_class, "hup", 5, clients="keepalive"))
+def test_five_hups_with_keepalive_clients(ctl_dir: Path, worker_class: str) -> None:
+    assert_nothing_lost(run(ctl_dir, worker_class, "hup", 5, clients="keepalive"))
 
 
 @pytest.mark.parametrize("worker_class", CLASSES)
-def test_two_usr2_upgrades(short_tmp: Path, worker_class: str) -> None:
-    assert_nothing_lost(run(short_tmp, worker_class, "usr2", 2))
+def test_two_usr2_upgrades(ctl_dir: Path, worker_class: str) -> None:
+    assert_nothing_lost(run(ctl_dir, worker_class, "usr2", 2))
 
 
 @pytest.mark.parametrize("worker_class", CLASSES)
-def test_max_requests_recycling(short_tmp: Path, worker_class: str) -> None:
-    cell = run(short_tmp, worker_class, "max-requests", 4, clients="mix")
+def test_max_requests_recycling(ctl_dir: Path, worker_class: str) -> None:
+    cell = run(ctl_dir, worker_class, "max-requests", 4, clients="mix")
     assert_nothing_lost(cell)
 
 
 @pytest.mark.parametrize("worker_class", CLASSES)
-def test_scale_up_and_down(short_tmp: Path, worker_class: str) -> None:
-    cell = run(short_tmp, worker_class, "scale", clients="keepalive")
+def test_scale_up_and_down(ctl_dir: Path, worker_class: str) -> None:
+    cell = run(ctl_dir, worker_class, "scale", clients="keepalive")
     assert_nothing_lost(cell)
     assert not [n for n in cell.notes if "not reached" in n], describe(cell)
 
 
 @pytest.mark.parametrize("worker_class", CLASSES)
-def test_ttou_ttin(short_tmp: Path, worker_class: str) -> None:
-    cell = run(short_tmp, worker_class, "ttou-ttin", 1)
+def test_ttou_ttin(ctl_dir: Path, worker_class: str) -> None:
+    cell = run(ctl_dir, worker_class, "ttou-ttin", 1)
     assert_nothing_lost(cell)
     assert not [n for n in cell.notes if "not paused" in n or "not resumed" in n], describe(cell)
 
 
 @pytest.mark.parametrize("worker_class", CLASSES)
-def test_kill_worker(short_tmp: Path, worker_class: str) -> None:
-    cell = run(short_tmp, worker_class, "kill-worker", clients="keepalive")
+def test_kill_worker(ctl_dir: Path, worker_class: str) -> None:
+    cell = run(ctl_dir, worker_class, "kill-worker", clients="keepalive")
     assert_nothing_lost(cell)  # failures within 1 s of the kill, one per client, are expected
     assert cell.replacement and all(r is not None and r <= REPLACEMENT + SCHEDULING_SLACK
                                     for r in cell.replacement), describe(cell)
@@ -133,34 +124,34 @@ def test_kill_worker(short_tmp: Path, worker_class: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("worker_class", CLASSES)
 @pytest.mark.parametrize("clients,app", [("keepalive", "hello"), ("close", "sleep"), ("mix", "stream")])
-def test_term_slow(short_tmp: Path, worker_class: str, clients: str, app: str) -> None:
-    assert_term(run(short_tmp, worker_class, "term", clients=clients, app=app))
+def test_term_slow(ctl_dir: Path, worker_class: str, clients: str, app: str) -> None:
+    assert_term(run(ctl_dir, worker_class, "term", clients=clients, app=app))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("worker_class", CLASSES)
 @pytest.mark.parametrize("clients", ["close", "mix"])
-def test_twenty_hups(short_tmp: Path, worker_class: str, clients: str) -> None:
-    assert_nothing_lost(run(short_tmp, worker_class, "hup", 20, clients=clients, concurrency=16))
+def test_twenty_hups(ctl_dir: Path, worker_class: str, clients: str) -> None:
+    assert_nothing_lost(run(ctl_dir, worker_class, "hup", 20, clients=clients, concurrency=16))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("worker_class", CLASSES)
 @pytest.mark.parametrize("event", ["usr2-hup", "usr2-usr1"])
-def test_signal_during_reexec(short_tmp: Path, worker_class: str, event: str) -> None:
-    assert_nothing_lost(run(short_tmp, worker_class, event, 2))
+def test_signal_during_reexec(ctl_dir: Path, worker_class: str, event: str) -> None:
+    assert_nothing_lost(run(ctl_dir, worker_class, event, 2))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("worker_class", CLASSES)
 @pytest.mark.parametrize("event", ["sf-takeover", "sf-reuseport"])
-def test_soft_stop_handoff(short_tmp: Path, worker_class: str, event: str) -> None:
-    cell = run(short_tmp, worker_class, event, 2, clients="mix")
+def test_soft_stop_handoff(ctl_dir: Path, worker_class: str, event: str) -> None:
+    cell = run(ctl_dir, worker_class, event, 2, clients="mix")
     assert_nothing_lost(cell)
     assert not [n for n in cell.notes if "handoff" in n], describe(cell)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("worker_class", CLASSES)
-def test_usr2_keepalive_sleep(short_tmp: Path, worker_class: str) -> None:
-    assert_nothing_lost(run(short_tmp, worker_class, "usr2", 2, clients="keepalive", app="sleep"))
+def test_usr2_keepalive_sleep(ctl_dir: Path, worker_class: str) -> None:
+    assert_nothing_lost(run(ctl_dir, worker_class, "usr2", 2, clients="keepalive", app="sleep"))

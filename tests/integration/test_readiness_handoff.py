@@ -23,9 +23,8 @@ from __future__ import annotations
 import shutil
 import signal
 import socket
-import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -37,12 +36,6 @@ PROBE_TIMEOUT = 1.0  # a probe that waits longer is a failed check (HAProxy's wa
 TIMES = 3
 
 
-@pytest.fixture
-def ctl_dir() -> Iterator[Path]:
-    """A short directory for the control sockets (sun_path holds 107 bytes)."""
-    path = Path(tempfile.mkdtemp(prefix="fsrh-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 class Loads:
