@@ -264,13 +264,7 @@ class SyncWorker(Worker):
         last. Its request may be on the wire right now: never close under it at once."""
         if conn.cutoff is not None or not conn.reading_head or conn.received:
             return
-        if conn.served:
-            # Idle keep-alive: closed once it has been quiet for the grace.
-            conn.cutoff = conn.idle_since + KEEPALIVE_CLOSE_GRACE
-        else:
-            # Just accepted and silent: its client may be about to send (a reload must not
-            # drop it), or may be a pre-connect that never will. A short grace tells which.
-            conn.cutoff = time.monotonic() + NEW_CONNECTION_GRACE
+        conn.cutoff = stop_grace_end(conn)
 
     def _on_alarm(self, signum: int, frame: Any) -> None:
         """-- runs in a signal handler (see Worker._watch_queue): a busy worker at a stop, its
@@ -296,7 +290,7 @@ class SyncWorker(Worker):
     def close_quiet_parked(self) -> None:
         now = time.monotonic()
         for conn in self.parked:
-            if now - conn.idle_since >= KEEPALIVE_CLOSE_GRACE and not conn.readable_now():
+            if now >= stop_grace_end(conn) and not conn.readable_now():
                 conn.end_output()
 
     def _should_close(self) -> bool:
@@ -403,7 +397,7 @@ class SyncWorker(Worker):
         Connection: close); the connection closes once it has been quiet for the grace."""
         if conn.output_ended:
             return False  # half-closed at the stop (close_quiet_parked): done
-        deadline = min(deadline, conn.idle_since + KEEPALIVE_CLOSE_GRACE)
+        deadline = min(deadline, stop_grace_end(conn))
         poller = select.poll()
         poller.register(conn.fd, POLLIN)
         poller.register(self.wakeup_r, POLLIN)
@@ -554,6 +548,16 @@ class SyncWorker(Worker):
             return status
         exchange.close = True
         return status
+
+
+def stop_grace_end(conn: Connection) -> float:
+    """When a stopping worker gives up waiting for a connection's next request: an idle
+    keep-alive one once it has been quiet for the close grace, one just accepted and silent
+    after a short grace from now (its client may be about to send: a reload must not drop
+    it; or it is a pre-connect that never will)."""
+    if conn.served:
+        return conn.idle_since + KEEPALIVE_CLOSE_GRACE
+    return time.monotonic() + NEW_CONNECTION_GRACE
 
 
 def remote_of(addr: Any) -> tuple[str, str]:

@@ -35,8 +35,7 @@ from forkserve.http import HTTPError
 from forkserve.sockets import Listener
 from forkserve.workers.base import WorkerState, drain_pipe
 from forkserve.workers.connection import Abandoned, Connection, Timeout
-from forkserve.workers.sync import (KEEPALIVE_CLOSE_GRACE, NEW_CONNECTION_GRACE, SyncWorker,
-                                    remote_of)
+from forkserve.workers.sync import SyncWorker, remote_of, stop_grace_end
 from forkserve.wsgi import ClientGone
 
 POLLIN = select.POLLIN
@@ -176,7 +175,7 @@ class ThreadWorker(SyncWorker):
             now = time.monotonic()
             deadline = now + self.settings.header_timeout
             if self.state is not RUNNING:
-                deadline = min(deadline, now + NEW_CONNECTION_GRACE)
+                deadline = min(deadline, stop_grace_end(conn))
             self._wait_for_client(conn, listener, deadline)
 
     def _wait_for_client(self, conn: Connection, listener: Listener, deadline: float) -> None:
@@ -217,9 +216,7 @@ class ThreadWorker(SyncWorker):
         """A stopping worker's limit on waiting for a connection's next request: the close
         grace for an idle keep-alive one (a request may be on its way), a short grace for
         one just accepted and silent."""
-        if conn.served:
-            return min(deadline, conn.idle_since + KEEPALIVE_CLOSE_GRACE)
-        return min(deadline, time.monotonic() + NEW_CONNECTION_GRACE)
+        return min(deadline, stop_grace_end(conn))
 
     def _take_back(self) -> None:
         drain_pipe(self.back_r)
