@@ -196,7 +196,9 @@ def ev_term(ctx: Context, n: int) -> None:
     master = ctx.instance.master
     sent = ctx.mark()
     ctx.instance.signal(signal.SIGTERM)
-    ctx.cell.windows.append(Window(frozenset({"refused"}), sent, float("inf")))
+    # Once the only server is going away, nobody is left to serve: the kernel refuses, and a
+    # balancer in front answers its own "no server" 503 (the request reached no server).
+    ctx.cell.windows.append(Window(frozenset({"refused", "unavailable"}), sent, float("inf")))
     exited = wait_exit(master, TERM_EXIT_TIMEOUT)
     if exited is None:
         ctx.note(f"did not exit within {TERM_EXIT_TIMEOUT:.0f}s of TERM")
@@ -507,6 +509,9 @@ def verdict(cell: Cell) -> str:
     if cell.event == "term":
         if cell.exit_code != 0:
             reasons.append(f"exit {cell.exit_code}")
+    if cell.event == "term" and cell.clients != "haproxy":
+        # The clients' own connections show the server's listener; behind HAProxy they are
+        # the balancer's, so only the exit is judged there.
         if cell.accepting_until is not None and cell.accepting_until > ACCEPT_STOP:
             reasons.append(f"accepted until +{cell.accepting_until * 1000:.0f}ms")
         if cell.accept_stop is None:

@@ -14,7 +14,8 @@ Each request ends in exactly one of these outcomes:
 | refused | ``connect()`` got ECONNREFUSED (nobody listens: a balancer retries this safely) |
 | reset | ECONNRESET or EPIPE while connecting, sending or reading |
 | empty | EOF before the first byte of the response (our request was on the wire) |
-| 5xx | a status of 500 or more (the body is read; HAProxy's own 502/503 count here too) |
+| 5xx | a status of 500 or more (the body is read; HAProxy's own 502 counts here too) |
+| unavailable | HAProxy's own 503 "No server is available": it had no usable server, so the request reached none (the balancer's ECONNREFUSED) |
 | timeout | no progress for ``timeout`` seconds on any socket operation |
 | partial | EOF in the middle of the head or the body, or a body that is not the app's |
 | other | anything else: another status, a local error such as EADDRNOTAVAIL |
@@ -26,7 +27,7 @@ reconnect, no failure. But a connection the server closes *after* our request we
 a failure (empty or reset): that is the keep-alive race a server must not lose, and it is
 counted, never retried. ``mode="mix"``: even threads keep-alive, odd threads close.
 
-After a refused connect a thread waits 10 ms before its next try, so that a stopped server is
+After a refused connect (or the balancer's "no server") a thread waits 10 ms before its next try, so that a stopped server is
 not hammered; the count of refusals is therefore a rate, not a backlog.
 
 Timestamps are ``time.monotonic()``, which is one clock for every process of the machine, so
@@ -44,9 +45,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = ("refused", "reset", "empty", "5xx", "timeout", "partial", "other")
+KINDS = ("refused", "unavailable", "reset", "empty", "5xx", "timeout", "partial", "other")
 MAX_SAMPLES = 2000  # failure details kept per process (the counts are always complete)
 REFUSED_PAUSE = 0.01
+NO_SERVER = b"No server is available to handle this request"  # HAProxy's own 503 page
 SLOW = 1.0  # a request slower than this is counted as slow (a stall, e.g. a SYN retransmit)
 
 
@@ -188,6 +190,8 @@ def request(sock: socket.socket, close: bool, expected: bytes, path: str = "/") 
     status, headers, body = read_response(sock)
     pid = int(headers["x-pid"]) if headers.get("x-pid", "").isdigit() else None
     server_close = "close" in headers.get("connection", "").lower()
+    if status == 503 and NO_SERVER in body:
+        return Result("unavailable", "HAProxy: no server is available", pid, True)
     if status >= 500:
         return Result("5xx", f"status {status}: {body[:120]!r}", pid, True)
     if status != 200:
@@ -279,7 +283,7 @@ def client_thread(port: int, keepalive: bool, expected: bytes, timeout: float, d
             tally.add(result, at, began)
         with progress.get_lock():
             progress.value += 1 if result.kind == "ok" else 1 << 32
-        if result.kind == "refused":
+        if result.kind in ("refused", "unavailable"):
             stop.wait(REFUSED_PAUSE)
     if sock is not None:
         sock.close()
