@@ -174,6 +174,15 @@ class Context:
             time.sleep(0.01)
         return True
 
+    def wait_all_done(self, started: str, ended: tuple[str, ...], timeout: float = 60.0) -> None:
+        """Until every reload or upgrade the server started (coalesced ones start after the one
+        in progress) has ended, completed or failed; bounded."""
+        def done() -> bool:
+            return sum(self.count(e) for e in ended) >= self.count(started)
+        deadline = time.monotonic() + timeout
+        while not done() and time.monotonic() < deadline and alive(self.instance.master):
+            time.sleep(0.05)
+
     def settle(self, workers: int = WORKERS, timeout: float = 40.0) -> None:
         """Until the master has exactly its workers (old generations and checks gone), then
         until the load has been served a little more."""
@@ -219,9 +228,10 @@ def ev_hup(ctx: Context, n: int) -> None:
         ctx.instance.signal(signal.SIGHUP)
         time.sleep(0.5)  # the issue's spacing, not a synchronisation
     if ctx.instance.kind == "forkserve":
-        ctx.wait_count("Reload complete", 1, 20)
-        ctx.note(f"{ctx.count('Reload complete')} reloads completed, {ctx.count('Reload ignored')} "
-                 f"HUPs ignored (one in progress), of {n}")
+        ctx.wait_all_done("Reloading: starting", ("Reload complete", "Reload failed"))
+        ctx.note(f"{n} HUPs: {ctx.count('Reload complete')} reloads completed, "
+                 f"{ctx.count('Reload requested during')} HUPs coalesced into the next one, "
+                 f"{ctx.count('Reload failed')} failed")
     ctx.settle()
 
 
@@ -232,10 +242,12 @@ def ev_usr2(ctx: Context, n: int) -> None:
         ctx.mark()
         ctx.instance.signal(signal.SIGUSR2)
         time.sleep(1.0)  # the issue's spacing
-    ctx.wait_count("Upgrade complete", 1, 30)
+    ctx.wait_all_done("Upgrade requested: checking",
+                      ("Upgrade complete", "Upgrade aborted", "Upgrade failed", "Upgrade abandoned"))
     ctx.settle()
-    ctx.note(f"{ctx.count('Upgrade complete')} upgrades completed, {ctx.count('Upgrade ignored')} "
-             f"USR2s ignored (one in progress), of {n}")
+    ctx.note(f"{n} USR2s: {ctx.count('Upgrade complete')} upgrades completed, "
+             f"{ctx.count('Upgrade requested during')} USR2s coalesced into the next one, "
+             f"{ctx.count('Upgrade aborted') + ctx.count('Upgrade failed')} failed")
 
 
 def gunicorn_usr2(ctx: Context, n: int) -> None:
