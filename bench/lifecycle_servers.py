@@ -145,6 +145,7 @@ class Procs:
         self.servers: list[Server] = []
         self.popens: list[subprocess.Popen[bytes]] = []
         self.loads: list[Any] = []
+        self.haproxy_logs: list[Path] = []
         self.sequence = 0
 
     # -- starting -----------------------------------------------------------------------------
@@ -174,7 +175,8 @@ class Procs:
         self.sequence += 1
         cfg = self.tmp / f"haproxy{self.sequence}.cfg"
         cfg.write_text(haproxy_config(front, backend_port, check_port))
-        log = open(self.tmp / f"haproxy{self.sequence}.log", "wb")  # noqa: SIM115 - closed below
+        self.haproxy_logs.append(self.tmp / f"haproxy{self.sequence}.log")
+        log = open(self.haproxy_logs[-1], "wb")  # noqa: SIM115 - closed below
         try:
             proc = subprocess.Popen(["haproxy", "-db", "-f", str(cfg)], stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -239,7 +241,24 @@ class Procs:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 notes.append(f"pid {proc.pid} did not die")
+        notes += haproxy_downs(self.tmp, self.haproxy_logs)
         return notes
+
+
+def haproxy_downs(tmp: Path, logs: list[Path]) -> list[str]:
+    """A note for each time HAProxy marked the server down, with its reason ("Layer7 wrong
+    status, code: 503": the server said not ready; "Layer4/Layer7 timeout": no answer in time)."""
+    notes = []
+    for path in logs:
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        for match in re.finditer(r"Server \S+ is DOWN, reason: ([^,\n]+(?:, code: \d+)?)"
+                                 r"(?:, info: \"[^\"]*\")?(?:, check duration: (\d+ms))?", text):
+            reason, took = match.group(1), match.group(2)
+            notes.append(f"HAProxy marked the server DOWN: {reason}" + (f" ({took})" if took else ""))
+    return notes
 
 
 def haproxy_config(front: int, backend: int, check: int) -> str:
@@ -247,7 +266,10 @@ def haproxy_config(front: int, backend: int, check: int) -> str:
     and a fast readiness check; deliberately no ``retry-on`` and no ``option redispatch``, so a
     request lost on a backend connection reaches the client (as a 502/503) instead of being
     hidden by a retry. (HAProxy's default ``retries 3`` still retries a failed *connect*, which
-    is always safe.)"""
+    is always safe.) The check runs every 100 ms, so a readiness that drops is seen at once; a
+    check gets 1 s to be answered (``timeout check``: without it HAProxy would allow only the
+    100 ms interval, and on a saturated machine, e.g. the matrix run once per class in parallel,
+    the server is marked down for being scheduled late, not for saying it is not ready)."""
     return f"""\
 global
     maxconn 4096
@@ -258,6 +280,7 @@ defaults
     timeout client 30s
     timeout server 30s
     timeout http-keep-alive 30s
+    timeout check 1s
 
 frontend fe
     bind 127.0.0.1:{front}
