@@ -30,8 +30,9 @@ from forkserve.lifecycle import Event, State, next_state
 from forkserve.logs import Log
 from forkserve.metrics import ENV as METRICS_ENV
 from forkserve.metrics import RELOADS_HELP, RESTARTS_HELP
-from forkserve.sockets import (BindError, Listener, bind, holds_socket, other_listeners,
-                               refuse_new_connections, steer_new_connections_here)
+from forkserve.sockets import (BindError, Listener, bind, holds_inode, holds_socket,
+                               other_listeners, refuse_new_connections, socket_inode,
+                               steer_new_connections_here)
 from forkserve.status import (OPENMETRICS_PATH, RETRY_AFTER, ArbiterCollector, Answer,
                               StatusServer, bind_status, rss_bytes, run_stand_in)
 from forkserve.workers import worker_class
@@ -42,6 +43,7 @@ ARBITER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP,
 
 KILL_GRACE = 2.0  # seconds between SIGABRT/SIGQUIT and SIGKILL for a worker that will not go
 MAX_RESPAWN_DELAY = 10.0
+RESUME_RETRY = 0.02  # seconds between binds while a TTIN waits for our paused workers' port
 MAX_POLL_MS = 3_600_000.0
 STATUS_FINISH = 1.0  # seconds status requests in progress get before an upgrade's exec
 REFRESH_WAIT = 0.1  # seconds a status answer waits for the workers' live numbers
@@ -116,6 +118,11 @@ class Arbiter:
     paused: bool = False
     paused_addresses: list[str] = field(default_factory=list)
     paused_status: str = ""  # the status server's address while paused (TTOU)
+    paused_inodes: list[int] = field(default_factory=list)  # the listeners we closed at TTOU
+    # A TTIN whose bind found the port still held by our own paused workers (serving what was
+    # queued at the pause): tried again at resume_retry_at, until resume_until.
+    resume_retry_at: float | None = None
+    resume_until: float = 0.0
     notifier: Any = None  # forkserve.systemd.Notifier, when systemd is listening
     next_watchdog: float | None = None  # next WATCHDOG=1, when systemd asks for them
     fresh: set[int] | None = None  # workers heard from since numbers_fresh() asked
@@ -638,10 +645,15 @@ class Arbiter:
 
     # -- pause and resume (TTOU / TTIN): HAProxy's handoff protocol ------------------------------
     def pause(self) -> None:
+        if self.paused and self.resume_retry_at is not None:
+            self.resume_retry_at = None  # the last word is TTOU's: stay paused
+            self.log.info("Paused: the resume that was waiting for the port is called off")
+            return
         if self.state is not State.RUNNING or self.paused:
             return
         self.paused = True
         self.paused_addresses = [l.name() for l in self.listeners]
+        self.paused_inodes = [socket_inode(l.sock) for l in self.listeners if l.sock.fileno() >= 0]
         for listener in self.listeners:
             # As at a stop: the queue only shrinks (new clients wait for the port's next
             # owner), so the workers can drain it and free the port while clients keep coming.
@@ -658,12 +670,15 @@ class Arbiter:
 
     def resume(self) -> None:
         if not self.paused or self.state is not State.RUNNING:
+            self.resume_retry_at = None
             return
         try:
             self.listeners = bind(self.paused_addresses, self.config.backlog, self.config.reuse_port)
         except BindError as exc:
-            self.log.error(f"Resume failed, still paused: {exc}")
+            if not self.resume_waits(time.monotonic()):
+                self.log.error(f"Resume failed, still paused: {exc}")
             return
+        self.resume_retry_at = None
         self.paused = False
         if self.status_server is not None and self.paused_status:
             try:
@@ -675,6 +690,24 @@ class Arbiter:
         self.log.info("Resumed: listening again", listening=",".join(l.name() for l in self.listeners))
         # The workers closed their listeners; a new generation gets the new ones.
         self.start_generation("Resume")
+
+    def resume_waits(self, now: float) -> bool:
+        """The bind failed: is the port still held by our own paused workers, serving what was
+        queued at the pause before they close their copies (a TTIN soon after a TTOU, a sync
+        worker in a long request)? Then try again shortly, bounded by the drain timeout; a port
+        held by anyone else fails the resume at once."""
+        held = any(holds_inode(pid, inode) for pid in self.workers for inode in self.paused_inodes)
+        if self.resume_retry_at is None:
+            if not held:
+                return False
+            self.resume_until = now + self.config.drain_timeout
+            self.log.info("Resume: the paused workers still hold the port while they serve what "
+                          "was queued; listening again once they have let it go")
+        elif not held or now >= self.resume_until:
+            self.resume_retry_at = None
+            return False
+        self.resume_retry_at = now + RESUME_RETRY
+        return True
 
     # -- the control socket --------------------------------------------------------------------
     def serve_control(self, ready: list[tuple[int, int]]) -> None:
@@ -1167,6 +1200,8 @@ class Arbiter:
             deadlines.append(self.refresh_until)
         if self.held_until is not None:
             deadlines.append(self.held_until)
+        if self.resume_retry_at is not None:
+            deadlines.append(self.resume_retry_at)
         if self.status_server is not None:
             client_deadline = self.status_server.next_deadline()
             if client_deadline is not None:
@@ -1204,6 +1239,8 @@ class Arbiter:
             self.deadline = None
             if self.state in (State.DRAINING, State.FLUSHING):
                 self.cancel()
+        if self.resume_retry_at is not None and now >= self.resume_retry_at:
+            self.resume()
         if self.state in (State.BOOTING, State.RUNNING):
             self.spawn_missing(now)
         self.carry_out_wanted()

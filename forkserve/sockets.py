@@ -359,10 +359,24 @@ def steer_new_connections_here(sock: socket.socket) -> bool:
     return True
 
 
+def socket_inode(sock: socket.socket) -> int:
+    """The socket's inode: who holds it can still be asked after we closed our copy."""
+    return os.fstat(sock.fileno()).st_ino
+
+
 def holds_socket(pid: int, sock: socket.socket) -> bool:
     """Does process ``pid`` still hold this very socket (one we passed it)?"""
     try:
-        wanted = f"socket:[{os.fstat(sock.fileno()).st_ino}]"
+        inode = socket_inode(sock)
+    except OSError:
+        return False
+    return holds_inode(pid, inode)
+
+
+def holds_inode(pid: int, inode: int) -> bool:
+    """Does process ``pid`` hold the socket with this inode?"""
+    wanted = f"socket:[{inode}]"
+    try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return False
