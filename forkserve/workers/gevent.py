@@ -47,8 +47,10 @@ class GeventWorker(SyncWorker):
         monkey.patch_all()
         super()._post_fork()
         import gevent
+        from gevent.event import Event
 
         self._gevent = gevent
+        self.told_to_stop = Event()  # TERM, QUIT, the deadline or the arbiter gone
         # TERM through Python's own handler: it runs at the next bytecode of whichever
         # greenlet runs (or at the hub's next iteration), so a request woken in the same
         # moment as the stop already sees the state (and answers with Connection: close).
@@ -96,6 +98,12 @@ class GeventWorker(SyncWorker):
         watcher = gevent.spawn(self._watch_arbiter)
         try:
             gevent.joinall(self.acceptors)
+            if self.state is RUNNING:
+                # Paused (TTOU), or spawned while paused: no listener left, but the worker
+                # stays (serving its open connections) until it is told to stop; the arbiter
+                # retires it once a resumed generation serves. Returning would be an exit
+                # the arbiter did not ask for: a "crash", replaced, over and over.
+                self.told_to_stop.wait()
             self.conn_pool.join()
         finally:
             ticker.kill(block=False)
@@ -201,6 +209,7 @@ class GeventWorker(SyncWorker):
         self._wake_acceptors()
         # Every wait on a client wakes and applies the stop's graces itself (_stop_interrupted).
         self.signal_stop()
+        self.told_to_stop.set()
 
     def request_done(self) -> None:
         super().request_done()
@@ -225,6 +234,7 @@ class GeventWorker(SyncWorker):
             self.state = WorkerState.CANCELLED
         self._wake_acceptors()
         self.signal_stop(cancel=True)  # waits for a request head end (_stop_interrupted)
+        self.told_to_stop.set()
         for conn in list(self.connections):
             if conn.exchange is not None or conn.released:
                 self._cancel(conn)
@@ -235,6 +245,7 @@ class GeventWorker(SyncWorker):
     def _g_quit(self) -> None:
         self.state = WorkerState.HALTING
         self._wake_acceptors()
+        self.told_to_stop.set()
         for conn in list(self.connections):
             conn.owner.kill(HardStop("hard stop requested"), block=False)
 
