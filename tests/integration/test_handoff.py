@@ -48,6 +48,14 @@ def start_new(server_factory: Any, tmp_path: Path, old: Server, *args: str,
 
 
 
+def new_generation(server: Server, before: set[int], count: int = 2) -> set[int]:
+    """Until the server's workers are ``count`` new ones, none of ``before`` left."""
+    def current() -> set[int] | None:
+        workers = set(server.workers())
+        return workers if len(workers) == count and not workers & before else None
+    return wait_for(current, 15, f"{count} workers of a new generation")  # type: ignore[no-any-return]
+
+
 def errors(server: Server) -> list[dict[str, Any]]:
     return [r for r in server.records() if r.get("level") == "ERROR"]
 
@@ -195,6 +203,45 @@ def test_ttou_pauses_and_ttin_resumes(server_factory: Any, tmp_path: Path, gates
     assert not refused(port)
     after = worker_set(old, 2)
     assert not after & before, "resuming starts a new generation of workers"
+    response = get(port, "/")
+    assert response.status == 200 and pid_of(response.body) in after
+    assert errors(old) == [], old.log_text()
+    old.signal(signal.SIGTERM)
+    assert old.wait_exit(10) == 0
+
+
+@pytest.mark.parametrize("worker_class", ["sync", "thread", "gevent"])
+def test_ttin_soon_after_ttou_waits_for_the_paused_workers(server_factory: Any, tmp_path: Path,
+                                                           gates: Any, worker_class: str) -> None:
+    """A TTIN that comes while the paused workers still hold the port (serving what was queued
+    at the pause; a sync worker inside a request keeps its copy until the request is done)
+    waits until they let it go, then listens again. It used to fail at once ("Address already
+    in use") and leave the server paused for good: the lifecycle matrix's ttou-ttin cell with
+    the 200 ms app. Every client queued at the pause is answered."""
+    extra = ["-k", worker_class, *(["--threads", str(THREADS)] if worker_class == "thread" else [])]
+    old = start_old(server_factory, tmp_path, *extra)
+    port = old.port
+    before = worker_set(old, 2)
+    held_gates = [gates(f"gate{i}") for i in range(2)]
+    held = []
+    for gate in held_gates:  # with sync, both workers are inside a request
+        held.append(send_get(port, gate.route))
+        gate.wait_entered()
+    queued = [send_get(port, "/") for _ in range(3)]  # connected: in the accept queue or served
+    old.signal(signal.SIGTTOU)
+    old.wait_log("Paused: not listening")
+    old.signal(signal.SIGTTIN)
+    if worker_class == "sync":  # its workers hold the port until the gates open
+        old.wait_log("Resume: the paused workers still hold the port")
+        assert old.count_log("Resumed: listening again") == 0
+    for gate in held_gates:
+        gate.release()
+    old.wait_log("Resumed: listening again", 15)
+    for sock in held + queued:
+        with sock:
+            assert read_response(sock).status == 200
+    # Resuming starts a new generation of workers; the paused ones are retired once it serves.
+    after = new_generation(old, before)
     response = get(port, "/")
     assert response.status == 200 and pid_of(response.body) in after
     assert errors(old) == [], old.log_text()

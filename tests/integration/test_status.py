@@ -694,8 +694,10 @@ def test_pause_frees_the_status_port_and_resume_takes_it_back(server_factory: An
         successor.bind(("127.0.0.1", port))
     server.signal(signal.SIGTTIN)
     server.wait_log("Resumed: listening again")
-    code, body = wait_for(lambda: (r := readyz(server))[0] == 200 and r, 10,
-                          "/readyz to pass once the resumed generation booted")
+    # Ready from the first booted worker of the resumed generation on; "reloading" until all
+    # of them have booted and the paused ones are retired.
+    code, body = wait_for(lambda: (r := readyz(server))[0] == 200 and not r[1]["reloading"] and r,
+                          10, "/readyz to pass once the resumed generation booted")
     assert body == {"ready": True, "state": "running", "generation": 2, "reloading": False}
     assert get(server.port, "/").status == 200
 
