@@ -151,6 +151,7 @@ class Context:
         self.load = load
         self.extra = extra
         self.port = instance.port
+        self.front = load.port  # what the clients connect to: the server, or HAProxy before it
 
     def mark(self) -> float:
         now = time.monotonic()
@@ -335,7 +336,15 @@ def ev_ttou_ttin(ctx: Context, n: int) -> None:
         time.sleep(0.5)
         ctx.instance.signal(signal.SIGTTIN)
         resumed = ctx.wait_count("Resumed: listening again", i + 1, 15)
-        ctx.cell.windows.append(Window(frozenset({"refused"}), paused_at, time.monotonic() + 0.05))
+        if ctx.cell.clients == "haproxy":
+            # Paused is not ready (nobody accepts new connections): the balancer has no server
+            # until its check sees the resumed generation ready again.
+            try:
+                wait_for(lambda: probe(ctx.front, "/", 1.0).kind == "ok", 10, "HAProxy to serve again")
+            except AssertionError:
+                ctx.note(f"TTIN #{i + 1}: HAProxy did not serve again within 10 s")
+        ctx.cell.windows.append(Window(frozenset({"refused", "unavailable"}), paused_at,
+                                       time.monotonic() + 0.05))
         if not resumed:
             ctx.note(f"TTIN #{i + 1}: not resumed")
         ctx.settle()
