@@ -43,6 +43,9 @@ ARBITER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP,
 
 KILL_GRACE = 2.0  # seconds between SIGABRT/SIGQUIT and SIGKILL for a worker that will not go
 MAX_RESPAWN_DELAY = 10.0
+# Seconds a replacement's boot keeps the instance ready while no other worker serves (all of
+# them recycled at once by --max-requests): clients wait in the queue that long at most.
+READY_THROUGH_BOOT = 5.0
 RESUME_RETRY = 0.02  # seconds between binds while a TTIN waits for our paused workers' port
 MAX_POLL_MS = 3_600_000.0
 STATUS_FINISH = 1.0  # seconds status requests in progress get before an upgrade's exec
@@ -814,13 +817,24 @@ class Arbiter:
     def ready(self) -> bool:
         """Readiness means "send me traffic": running (or, after an in-place upgrade, booting
         with the old image's workers serving), not paused, and at least one booted worker of
-        any generation that is not stopping. A reload or upgrade in progress does not make
-        the instance unready (its old workers serve until the new ones have booted); going
-        away (lameduck, drain, halt) or having no worker that serves does."""
+        any generation that is not stopping, or replacements booting for recycled workers.
+        A reload or upgrade in progress does not make the instance unready (its old workers
+        serve until the new ones have booted); going away (lameduck, drain, halt), or having
+        no worker that serves and none about to (boots failing, or slower than
+        READY_THROUGH_BOOT), does."""
         serving = self.state is State.RUNNING or (self.state is State.BOOTING
                                                    and self.upgrading_from is not None)
-        return (serving and not self.paused
-                and any(h.booted and not h.stopping and not h.deaf for h in self.workers.values()))
+        if not serving or self.paused:
+            return False
+        if any(h.booted and not h.stopping and not h.deaf for h in self.workers.values()):
+            return True
+        # Every worker is retiring (max-requests) or gone (a crash) at once, and their
+        # replacements are booting: the listeners stay open and the queue is served in a
+        # moment, so the instance is not going away. Unless boots are failing, or one is slow.
+        now = time.monotonic()
+        return self.state is State.RUNNING and self.boot_failures == 0 and any(
+            not h.booted and not h.stopping and not h.deaf and now - h.spawned_at < READY_THROUGH_BOOT
+            for h in self.workers.values())
 
     def status(self) -> dict[str, Any]:
         """One snapshot of everything: the control socket's and /status's answer, and what

@@ -112,3 +112,26 @@ def test_new_image_is_ready_at_once_while_the_adopted_workers_serve(server_facto
                                   "reloading": False})
     server.signal(signal.SIGTERM)
     assert server.wait_exit(20) == 0
+
+
+@pytest.mark.parametrize("worker_class", WORKER_CLASSES)
+def test_readyz_stays_200_while_max_requests_recycles_every_worker(server_factory: Any,
+                                                                   worker_class: str) -> None:
+    """--max-requests 20 under load retires both workers every few dozen requests, often both
+    at once: their replacements boot while the listeners stay open and the queue waits for
+    them. That is no reason to tell a balancer to go away (behind HAProxy it answered 503
+    "no server" to clients that would have been served a moment later)."""
+    server = server_factory(*STATUS, "-k", worker_class, "--max-requests", "20",
+                            app="tests.apps_reload:app").wait_ready()
+    load = Load(server.port, threads=8, seconds=120).start()
+    with Prober(server.status_port) as prober:
+        wait_for(lambda: server.count_log("retired") >= 20 and len(prober.answers) >= 100, 60,
+                 f"20 recycled workers and 100 probes\n{server.log_text()[-3000:]}")
+    load.stop()
+    recycled = server.count_log("retired")
+    print(f"\n[readyz, max-requests, {worker_class}] {len(prober.answers)} probes while "
+          f"{recycled} workers were recycled; load {load.summary()}")
+    assert prober.failures == [], prober.failures[:10]
+    not_ready = [a for a in prober.answers if a[0] != 200]
+    assert not_ready == [], not_ready[:10]
+    assert load.failures == [], load.failures[:10]
