@@ -55,11 +55,13 @@ class RequestContext:
         functions, self.functions = self.functions, []
         for fn, args, kwargs in functions:
             try:
-                fn(*args, **kwargs)
-            except Exception as exc:
-                log.exception(f"Shutdown function {_name(fn)} failed", exc)
+                try:
+                    fn(*args, **kwargs)
+                except Exception as exc:
+                    log.exception(f"Shutdown function {_name(fn)} failed", exc)
             except RequestCancelled as exc:
-                # Cancelled while cleaning up (a second cancel): stop this one, run the rest.
+                # Cancelled while cleaning up (a second cancel), in the function or while its
+                # failure was being logged: stop this one, run the rest.
                 log.exception(f"Shutdown function {_name(fn)} was cancelled", exc)
 
 

@@ -334,7 +334,6 @@ class ThreadWorker(SyncWorker):
         thread waiting on its client is woken by the stop pipe (one atomic write)."""
         if self.state is not WorkerState.HALTING:
             self.state = WorkerState.CANCELLED
-        self.signal_stop(cancel=True)
         for conn in list(self.connections):
             ident = conn.owner
             # A thread waiting on its client (conn.waiting) is ended by the stop pipe; one in
@@ -342,6 +341,10 @@ class ThreadWorker(SyncWorker):
             if ident is not None and conn.exchange is not None and not conn.waiting:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident),
                                                            ctypes.py_object(RequestCancelled))
+        # Only now: a thread the pipe wakes from a wait (a body read) raises RequestCancelled
+        # itself and is no longer `waiting`; had the pipe been written first, the loop above
+        # could see it so and throw it a second one, into its shutdown functions.
+        self.signal_stop(cancel=True)
 
 
 __all__ = ["ThreadWorker"]
