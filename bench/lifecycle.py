@@ -399,17 +399,31 @@ def ev_kill_worker(ctx: Context, n: int) -> None:
                                        at + KILL_WINDOW, ctx.cell.concurrency))
         # The load's keep-alive connections may all stay with the surviving worker, so fresh
         # connections look for the replacement too (bounded; the load's sightings count too).
+        # forkserve's control socket also says when the replacement has booted (it accepts from
+        # then on): a probe can keep landing on the surviving worker, whose accept loop is hot
+        # while the new one boots (the thread worker with the 200 ms app).
         seen = None
         deadline = at + 2.0
         while seen is None and time.monotonic() < deadline:
             answer = probe(ctx.port, "/readyz", 1.0)
-            if answer.pid is not None and answer.pid not in before:
+            if (answer.pid is not None and answer.pid not in before) or booted_new(ctx, before):
                 seen = time.monotonic()
             else:
                 time.sleep(0.005)
         ctx.cell.__dict__.setdefault("_kills", []).append((at, before, seen))
         time.sleep(max(0.0, deadline - time.monotonic()))  # spacing between kills
         ctx.settle()
+
+
+def booted_new(ctx: Context, before: set[int]) -> bool:
+    """Has a forkserve worker not in ``before`` booted (the control socket's status)?"""
+    if ctx.instance.kind != "forkserve" or ctx.instance.control is None:
+        return False
+    try:
+        answer, _ = control_request(str(ctx.instance.control), "status")
+    except OSError:
+        return False
+    return any(w.get("booted") and w.get("pid") not in before for w in answer.get("workers", []))
 
 
 EVENT_FUNCS: dict[str, Callable[[Context, int], None]] = {
