@@ -26,7 +26,7 @@ from forkserve import signals as sigs
 from forkserve.config import Config, ConfigError, reloadable_changes, resolve
 from forkserve.control import ControlServer
 from forkserve.counters import Decoder, ExitCode, Kind, Record
-from forkserve.lifecycle import Event, State, next_state
+from forkserve.lifecycle import Event, State, accepts, next_state
 from forkserve.logs import Log
 from forkserve.metrics import ENV as METRICS_ENV
 from forkserve.metrics import RELOADS_HELP, RESTARTS_HELP
@@ -35,6 +35,7 @@ from forkserve.sockets import (BindError, Listener, bind, holds_inode, holds_soc
                                steer_new_connections_here)
 from forkserve.status import (OPENMETRICS_PATH, RETRY_AFTER, ArbiterCollector, Answer,
                               StatusServer, bind_status, rss_bytes, run_stand_in)
+from forkserve.systemd import status_line
 from forkserve.workers import worker_class
 from forkserve.workers.base import WorkerSettings
 
@@ -287,7 +288,7 @@ class Arbiter:
 
     # -- signals (dispatched from the loop) ---------------------------------------------------
     def stop(self) -> None:
-        if self.state not in (State.BOOTING, State.RUNNING):
+        if not accepts(self.state, Event.STOP):
             return  # already stopping: a second TERM changes nothing
         self.leave_status_port()
         self.read_counters()
@@ -337,7 +338,7 @@ class Arbiter:
 
     def check_drained(self) -> None:
         """Event-driven from the counters: nothing in flight in any worker that took the stop."""
-        if self.state not in (State.DRAINING, State.CANCELLING):
+        if not accepts(self.state, Event.DRAINED):
             return
         if self.workers:
             if not all(h.draining for h in self.workers.values()):
@@ -357,7 +358,7 @@ class Arbiter:
             self.stop()
 
     def halt(self) -> None:
-        if self.state in (State.HALTING, State.STOPPED):
+        if not accepts(self.state, Event.HARD_STOP):
             return
         self.leave_status_port()
         self.transition(Event.HARD_STOP, "Hard stop: stopping workers now")
@@ -395,11 +396,6 @@ class Arbiter:
         self.log.reopen()
         self.log.info("Reopened log files")
         self.signal_workers(signal.SIGUSR1, list(self.workers.values()))
-
-    def not_yet(self, what: str) -> Callable[[], None]:
-        def ignore() -> None:
-            self.log.warning(f"{what} is not supported yet; signal ignored")
-        return ignore
 
     def reloading(self) -> bool:
         """A reload or an upgrade is in progress: a new generation booting, an upgrade's check
@@ -1031,10 +1027,7 @@ class Arbiter:
         elif what == "stopping":
             notifier.stopping("draining")
         else:
-            totals = self.totals()
-            notifier.status(f"{self.state.value}: {totals['in_flight_requests']} in flight, "
-                            f"{totals['active_connections']} connections, "
-                            f"{totals['background_tasks']} background tasks")
+            notifier.status(status_line(self.state.value, self.totals()))
 
     def check_booted(self) -> None:
         generation = self.current()
@@ -1186,9 +1179,9 @@ class Arbiter:
     def check_gone(self) -> None:
         if self.workers:
             return
-        if self.state in (State.DRAINING, State.CANCELLING):
+        if accepts(self.state, Event.DRAINED):
             self.check_drained()  # logs "All connections drained", then comes back here
-        elif self.state in (State.FLUSHING, State.HALTING):
+        elif accepts(self.state, Event.WORKERS_GONE):
             self.transition(Event.WORKERS_GONE, "All workers stopped")
 
     # -- deadlines -------------------------------------------------------------------------
@@ -1251,7 +1244,7 @@ class Arbiter:
             self.notify("status")
         if self.deadline is not None and now >= self.deadline:
             self.deadline = None
-            if self.state in (State.DRAINING, State.FLUSHING):
+            if accepts(self.state, Event.DEADLINE):
                 self.cancel()
         if self.resume_retry_at is not None and now >= self.resume_retry_at:
             self.resume()

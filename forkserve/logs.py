@@ -49,11 +49,6 @@ class Log:
         self.open()
         os.close(old)
 
-    def close(self) -> None:
-        if self._owns_fd and self.fd >= 0:
-            os.close(self.fd)
-        self.fd = -1
-
     def configure(self, level: str, fmt: str) -> None:
         self.threshold = LEVELS[level]
         self.json = fmt == "json"

@@ -74,13 +74,6 @@ class SignalQueue:
         if data:
             os.write(self.write_fd, data)
 
-    def close(self) -> None:
-        signal.set_wakeup_fd(-1)
-        for signum in self.signals:
-            signal.signal(signum, signal.SIG_DFL)
-        os.close(self.read_fd)
-        os.close(self.write_fd)
-
 
 ALL = set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}
 

@@ -141,11 +141,10 @@ class Notifier:
 
 def status_line(state: str, totals: Mapping[str, int]) -> str:
     """The ``STATUS=`` text for a state and the arbiter's counter totals, e.g.
-    ``draining: 1 in flight, 2 connections, 0 background tasks, 2 workers``."""
+    ``draining: 1 in flight, 2 connections, 0 background tasks``."""
     return (f"{state}: {totals.get('in_flight_requests', 0)} in flight, "
             f"{totals.get('active_connections', 0)} connections, "
-            f"{totals.get('background_tasks', 0)} background tasks, "
-            f"{totals.get('workers', 0)} workers")
+            f"{totals.get('background_tasks', 0)} background tasks")
 
 
 def listen_fds(environ: Mapping[str, str], pid: int) -> list[tuple[int, str]]:

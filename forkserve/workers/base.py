@@ -333,10 +333,6 @@ class Worker:
             self.state = WorkerState.STOPPING
             self.log.warning("Arbiter is gone; worker stopping", worker=self.worker_id)
 
-    @property
-    def draining(self) -> bool:
-        return self.state is not WorkerState.RUNNING
-
     def report(self) -> None:
         """After a counter changed: while draining, the arbiter hears of every change (its
         drain decision is event-driven); while running, heartbeats carry the numbers."""

@@ -25,6 +25,14 @@ def restore_mask() -> Iterator[None]:
     signal.signal(signal.SIGUSR1, handler)
 
 
+def dispose(queue: sigs.SignalQueue) -> None:
+    """What the arbiter never needs (it exits or execs with its queue): undo the wakeup fd and
+    close the pipe, so the rest of the test session is not woken through it."""
+    signal.set_wakeup_fd(-1)
+    os.close(queue.read_fd)
+    os.close(queue.write_fd)
+
+
 def test_a_signal_blocked_before_the_queue_is_delivered_to_it(restore_mask: None) -> None:
     previous = sigs.block([signal.SIGUSR1])
     assert signal.SIGUSR1 not in previous
@@ -35,7 +43,7 @@ def test_a_signal_blocked_before_the_queue_is_delivered_to_it(restore_mask: None
         assert signal.SIGUSR1 not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
         assert list(queue.drain()) == [signal.SIGUSR1]
     finally:
-        queue.close()
+        dispose(queue)
 
 
 def test_undelivered_signals_are_taken_once_and_replay_in_order(restore_mask: None) -> None:
@@ -50,4 +58,4 @@ def test_undelivered_signals_are_taken_once_and_replay_in_order(restore_mask: No
         # Stopping in the middle of a batch (an exec) leaves the rest to be handed over.
         assert queue.undelivered() == [signal.SIGUSR2]
     finally:
-        queue.close()
+        dispose(queue)

@@ -228,7 +228,7 @@ def test_watchdog_pid_is_compared_when_asked() -> None:
 def test_status_line() -> None:
     totals = {"active_connections": 2, "in_flight_requests": 1, "background_tasks": 0, "workers": 2}
     assert status_line("draining", totals) == (
-        "draining: 1 in flight, 2 connections, 0 background tasks, 2 workers")
+        "draining: 1 in flight, 2 connections, 0 background tasks")
 
 
 # -- socket activation -------------------------------------------------------------------------
