@@ -28,7 +28,7 @@ def server_factory() -> Iterator[type[Server]]:
 
 @pytest.fixture
 def server(server_factory: type[Server]) -> Server:
-    """A ready two-worker server running tests.apps:app."""
+    """A ready two-worker server running tests.apps.basic:app."""
     return server_factory().wait_ready()  # type: ignore[call-arg]
 
 

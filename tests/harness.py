@@ -81,9 +81,10 @@ def open_fds(pid: int) -> list[str]:
 class Server:
     """A forkserve process group. Lines of its error log are parsed as JSON records."""
 
-    def __init__(self, *args: str, app: str = "tests.apps:app", env: dict[str, str] | None = None,
-                 cwd: Path | str = ROOT, json_logs: bool = True, bind: str | None = "127.0.0.1:0",
-                 workers: int = 2, pass_fds: tuple[int, ...] = ()) -> None:
+    def __init__(self, *args: str, app: str = "tests.apps.basic:app",
+                 env: dict[str, str] | None = None, cwd: Path | str = ROOT, json_logs: bool = True,
+                 bind: str | None = "127.0.0.1:0", workers: int = 2,
+                 pass_fds: tuple[int, ...] = ()) -> None:
         argv = [sys.executable, "-m", "forkserve"]
         if bind is not None:
             argv += ["-b", bind]

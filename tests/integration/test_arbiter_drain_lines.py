@@ -6,7 +6,7 @@ accepting" are written once the workers' live numbers are in (their answers to S
 DRAINING records), bounded; the transitions themselves are not delayed.
 
 Real ``python -m forkserve`` process groups, JSON logs, a request held in flight on a FIFO gate
-(``/block?fifo=`` of tests.apps), real signals.
+(``/block?fifo=`` of tests.apps.basic), real signals.
 """
 
 from __future__ import annotations

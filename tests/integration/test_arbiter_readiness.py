@@ -31,7 +31,7 @@ def test_readyz_is_200_through_hups_and_usr2s_and_503_at_term(server_factory: An
                                                               worker_class: str) -> None:
     version = tmp_path / "version"
     version.write_text("v1")
-    server = server_factory(*STATUS, "-k", worker_class, app="tests.apps_reload:app",
+    server = server_factory(*STATUS, "-k", worker_class, app="tests.apps.reload:app",
                             env={"RELOAD_VERSION_FILE": str(version)}).wait_ready()
     port = server.status_port
     assert readyz(port)[0] == 200
@@ -88,7 +88,7 @@ def test_new_image_is_ready_at_once_while_the_adopted_workers_serve(server_facto
     """After the exec, the new image's workers are held booting (their import waits on a
     gate): the new image is BOOTING, the adopted workers serve, and /readyz says 200."""
     boot = tmp_path / "boot"  # absent: the first generation boots at once
-    server = server_factory(*STATUS, app="tests.apps_status:app", workers=1,
+    server = server_factory(*STATUS, app="tests.apps.status:app", workers=1,
                             env={"STATUS_BOOT_GATE": str(boot)}).wait_ready()
     port = server.status_port
     (old,) = worker_set(server, 1)

@@ -24,7 +24,7 @@ import pytest
 from tests.harness import Server, get, read_response, send_get, wait_for, worker_set
 from tests.load import Load
 
-APP = "tests.apps_reload:app"
+APP = "tests.apps.reload:app"
 WORKER_CLASSES = ["sync", "thread", "gevent"]
 ROUNDS = 3
 EXEC_LINE = "Upgrade: re-executing"
@@ -194,7 +194,7 @@ def test_hups_during_a_booting_reload_coalesce_into_one(server_factory: Any, tmp
     surely arrive during the reload: each is logged as coalesced, and together they make
     exactly one more reload, started once the first completed."""
     boot = tmp_path / "boot"  # absent: the first generation boots at once
-    server = server_factory(app="tests.apps_status:app", workers=1,
+    server = server_factory(app="tests.apps.status:app", workers=1,
                             env={"STATUS_BOOT_GATE": str(boot)}).wait_ready()
     gate = gates("boot")  # from now on a worker's import waits on it
     load = Load(server.port, threads=2, seconds=60).start()

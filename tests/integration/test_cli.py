@@ -78,10 +78,10 @@ def test_help_lists_the_options() -> None:
 
 def test_check_good_app_binds_nothing(busy_port: int) -> None:
     # The address is taken: if --check tried to bind it, it would fail.
-    result = forkserve("--check", "-w", "3", "-b", f"127.0.0.1:{busy_port}", "tests.apps:app")
+    result = forkserve("--check", "-w", "3", "-b", f"127.0.0.1:{busy_port}", "tests.apps.basic:app")
     assert result.returncode == 0, result.stderr
     summary, budget = result.stdout.splitlines()
-    assert "tests.apps:app" in summary and "3" in summary and str(busy_port) in summary
+    assert "tests.apps.basic:app" in summary and "3" in summary and str(busy_port) in summary
     assert result.stderr == ""
     # Issue 4: the shutdown budget and what it implies for the supervisors.
     assert "shutdown budget 27s" in budget
@@ -90,23 +90,23 @@ def test_check_good_app_binds_nothing(busy_port: int) -> None:
 
 
 def test_check_names_the_status_server_and_binds_nothing(busy_port: int) -> None:
-    result = forkserve("--check", "--status-bind", f"127.0.0.1:{busy_port}", "tests.apps:app")
+    result = forkserve("--check", "--status-bind", f"127.0.0.1:{busy_port}", "tests.apps.basic:app")
     assert result.returncode == 0, result.stderr
     assert f"status server on 127.0.0.1:{busy_port}" in result.stdout.splitlines()[0]
 
 
 def test_check_budget_follows_the_settings() -> None:
     result = forkserve("--check", "--lameduck", "5", "--drain-timeout", "40", "--cancel-grace", "3",
-                       "tests.apps:app")
+                       "tests.apps.basic:app")
     assert result.returncode == 0, result.stderr
     assert "shutdown budget 48s" in result.stdout and "TimeoutStopSec=51" in result.stdout
 
 
 @pytest.mark.parametrize("app, env_extra, expected", [
-    ("tests.apps:app", {"TESTAPP_FAIL_IMPORT": "1"}, "ImportError: failing on purpose"),
-    ("tests.apps:missing", {}, "missing"),
+    ("tests.apps.basic:app", {"TESTAPP_FAIL_IMPORT": "1"}, "ImportError: failing on purpose"),
+    ("tests.apps.basic:missing", {}, "missing"),
     ("no_such_module_here:app", {}, "No module named 'no_such_module_here'"),
-    ("tests.apps_lifecycle:failing_factory()", {}, "ValueError: the factory refused on purpose"),
+    ("tests.apps.lifecycle:failing_factory()", {}, "ValueError: the factory refused on purpose"),
 ])
 def test_check_broken_app_exits_4(app: str, env_extra: dict[str, str], expected: str) -> None:
     result = forkserve("--check", app, extra_env=env_extra)
@@ -118,14 +118,14 @@ def test_check_broken_app_exits_4(app: str, env_extra: dict[str, str], expected:
 # -- usage errors: exit 2, one line ----------------------------------------------------------------
 
 @pytest.mark.parametrize("args, expected", [
-    (["--no-such-option", "tests.apps:app"], "--no-such-option"),
-    (["-w", "0", "tests.apps:app"], "workers"),
-    (["--workers", "many", "tests.apps:app"], "many"),
-    (["--timeout", "abc", "tests.apps:app"], "abc"),
-    (["-b", "host:notaport", "tests.apps:app"], "notaport"),
-    (["-b", "127.0.0.1:70000", "tests.apps:app"], "70000"),
-    (["--log-level", "loud", "tests.apps:app"], "loud"),
-    (["tests.apps:app", "extra-argument"], "extra-argument"),
+    (["--no-such-option", "tests.apps.basic:app"], "--no-such-option"),
+    (["-w", "0", "tests.apps.basic:app"], "workers"),
+    (["--workers", "many", "tests.apps.basic:app"], "many"),
+    (["--timeout", "abc", "tests.apps.basic:app"], "abc"),
+    (["-b", "host:notaport", "tests.apps.basic:app"], "notaport"),
+    (["-b", "127.0.0.1:70000", "tests.apps.basic:app"], "70000"),
+    (["--log-level", "loud", "tests.apps.basic:app"], "loud"),
+    (["tests.apps.basic:app", "extra-argument"], "extra-argument"),
     (["not a module:app"], "MODULE:APP"),
     ([], "no application"),
 ])
@@ -138,7 +138,7 @@ def test_bad_usage_exits_2_with_one_line(args: list[str], expected: str) -> None
 
 
 def test_bad_environment_value_exits_2() -> None:
-    result = forkserve("tests.apps:app", extra_env={"FORKSERVE_WORKERS": "zero"})
+    result = forkserve("tests.apps.basic:app", extra_env={"FORKSERVE_WORKERS": "zero"})
     assert result.returncode == USAGE
     assert "FORKSERVE_WORKERS" in one_line(result.stderr)
 
@@ -146,7 +146,7 @@ def test_bad_environment_value_exits_2() -> None:
 def test_config_file_with_unknown_key_exits_2(tmp_path: Path) -> None:
     config = tmp_path / "forkserve.yaml"
     config.write_text("workers: 2\nwrokers: 3\n")
-    result = forkserve("-c", str(config), "tests.apps:app")
+    result = forkserve("-c", str(config), "tests.apps.basic:app")
     assert result.returncode == USAGE
     line = one_line(result.stderr)
     assert "wrokers" in line and str(config) in line
@@ -155,19 +155,19 @@ def test_config_file_with_unknown_key_exits_2(tmp_path: Path) -> None:
 def test_config_file_that_is_not_yaml_exits_2(tmp_path: Path) -> None:
     config = tmp_path / "forkserve.yaml"
     config.write_text("workers: [1, 2\n")
-    result = forkserve("-c", str(config), "tests.apps:app")
+    result = forkserve("-c", str(config), "tests.apps.basic:app")
     assert result.returncode == USAGE
     assert str(config) in one_line(result.stderr)
 
 
 def test_missing_config_file_exits_2(tmp_path: Path) -> None:
-    result = forkserve("-c", str(tmp_path / "nope.yaml"), "tests.apps:app")
+    result = forkserve("-c", str(tmp_path / "nope.yaml"), "tests.apps.basic:app")
     assert result.returncode == USAGE
     assert "nope.yaml" in one_line(result.stderr)
 
 
 def test_port_in_use_exits_1_with_one_line(busy_port: int) -> None:
-    result = forkserve("-w", "1", "-b", f"127.0.0.1:{busy_port}", "tests.apps:app")
+    result = forkserve("-w", "1", "-b", f"127.0.0.1:{busy_port}", "tests.apps.basic:app")
     assert result.returncode == 1
     line = one_line(result.stderr)
     assert f"127.0.0.1:{busy_port}" in line and "in use" in line
@@ -176,9 +176,9 @@ def test_port_in_use_exits_1_with_one_line(busy_port: int) -> None:
 # -- the app spec ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("spec, body", [
-    ("tests.apps:factory()", b"hi"),
-    ("tests.apps:factory('x')", b"x"),
-    ("tests.apps:factory(greeting='with: colon')", b"with: colon"),
+    ("tests.apps.basic:factory()", b"hi"),
+    ("tests.apps.basic:factory('x')", b"x"),
+    ("tests.apps.basic:factory(greeting='with: colon')", b"with: colon"),
 ])
 def test_factory_call_syntax(server_factory: Any, spec: str, body: bytes) -> None:
     server = server_factory(app=spec, workers=1).wait_ready()
@@ -187,7 +187,7 @@ def test_factory_call_syntax(server_factory: Any, spec: str, body: bytes) -> Non
 
 
 def test_factory_arguments_must_be_literals() -> None:
-    result = forkserve("--check", "tests.apps:factory(__import__('os').getpid())")
+    result = forkserve("--check", "tests.apps.basic:factory(__import__('os').getpid())")
     assert result.returncode == APP_LOAD_ERROR
     assert "literals" in one_line(result.stderr)
 
@@ -196,12 +196,12 @@ def test_factory_arguments_must_be_literals() -> None:
 
 def test_console_script_matches_python_m() -> None:
     assert CONSOLE_SCRIPT.exists(), f"no console script at {CONSOLE_SCRIPT}"
-    for args in (["--version"], ["--help"], ["--check", "-w", "1", "tests.apps:app"]):
+    for args in (["--version"], ["--help"], ["--check", "-w", "1", "tests.apps.basic:app"]):
         script = forkserve(*args, command=[str(CONSOLE_SCRIPT)])
         module = forkserve(*args)
         assert (script.returncode, script.stdout, script.stderr) == \
                (module.returncode, module.stdout, module.stderr), args
-    bad = forkserve("-w", "0", "tests.apps:app", command=[str(CONSOLE_SCRIPT)])
+    bad = forkserve("-w", "0", "tests.apps.basic:app", command=[str(CONSOLE_SCRIPT)])
     assert bad.returncode == USAGE and "workers" in one_line(bad.stderr)
 
 
@@ -211,7 +211,7 @@ def test_console_script_serves(tmp_path: Path) -> None:
     run_env = {k: v for k, v in env().items() if k != "PYTHONPATH"}
     proc = subprocess.Popen(
         [str(CONSOLE_SCRIPT), "-b", "127.0.0.1:0", "-w", "1", "--log-format", "json",
-         "--error-log", str(error_log), "tests.apps:app"],
+         "--error-log", str(error_log), "tests.apps.basic:app"],
         cwd=str(ROOT), env=run_env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, start_new_session=True)
     try:

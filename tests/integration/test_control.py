@@ -22,7 +22,7 @@ import pytest
 
 from tests.harness import worker_set, ROOT, Server, get, read_response, refused, send_get, wait_for
 
-APP = "tests.apps_reload:app"
+APP = "tests.apps.reload:app"
 WORKER_FIELDS = {"pid", "worker_id", "generation", "age", "requests_served", "active_connections",
                  "in_flight_requests", "background_tasks", "booted"}
 NOBODY = 65534

@@ -1,7 +1,7 @@
 """Graceful drain (issue 3) against real ``python -m forkserve`` process groups.
 
 Real signals, port 0. Requests, post-response work and background tasks are held on FIFO gates
-(``tests/apps_drain.py``) that the test releases; every wait is a deadline-bounded ``wait_for``
+(``tests/apps/drain.py``) that the test releases; every wait is a deadline-bounded ``wait_for``
 or log wait. The only waits for time itself are where time is the point: a request ~2 s in
 flight, a lameduck period, a drain deadline.
 
@@ -102,7 +102,7 @@ def read_chunked(sock: socket.socket, timeout: float = 10.0) -> tuple[dict[str, 
 
 
 class Scenario:
-    """A server running tests.apps_drain:app with an access log and a span log, plus the
+    """A server running tests.apps.drain:app with an access log and a span log, plus the
     targets of every request the test made (each unique, so each has one access-log line)."""
 
     def __init__(self, factory: Callable[..., Server], tmp_path: Path, worker_class: str,
@@ -113,7 +113,7 @@ class Scenario:
         self.out = tmp_path / "out.txt"
         self.server = factory("-k", worker_class, "--access-log", str(self.access_log),
                               "--span-log", str(self.span_log), *args,
-                              app="tests.apps_drain:app", workers=workers).wait_ready()
+                              app="tests.apps.drain:app", workers=workers).wait_ready()
         self.port = self.server.port
         self.sent: list[str] = []
         self.signalled = 0.0

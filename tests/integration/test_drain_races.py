@@ -153,7 +153,7 @@ def test_queue_served_at_stop_after_a_failed_takeover(server_factory: Any, gates
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         successor = subprocess.run(
             [sys.executable, "-m", "forkserve", "--takeover", str(ctl), "-w", "1",
-             "tests.apps:nonexistent"], cwd=ROOT, env=env, capture_output=True, timeout=60)
+             "tests.apps.basic:nonexistent"], cwd=ROOT, env=env, capture_output=True, timeout=60)
         assert successor.returncode == 4, successor.stderr.decode()
         assert old.proc.poll() is None
         gate = gates()

@@ -1,6 +1,6 @@
 """The gevent worker (issue 5) against real ``python -m forkserve -k gevent`` process groups.
 
-Requests are held on FIFO gates (``tests/apps_drain.py``'s ``/held``, waited on cooperatively)
+Requests are held on FIFO gates (``tests/apps/drain.py``'s ``/held``, waited on cooperatively)
 or in a patched ``time.sleep``; every wait is a bounded ``wait_for``, a socket timeout or a
 selector loop with a monotonic deadline. The only waits for time itself are where time is the
 point: "no response within 0.5 s", a drain deadline.
@@ -58,7 +58,7 @@ def socket_fds(pid: int) -> int:
     return sum(1 for target_ in open_fds(pid) if target_.startswith("socket:"))
 
 
-def gevent_server(factory: Callable[..., Server], *args: str, app: str = "tests.apps_gevent:app",
+def gevent_server(factory: Callable[..., Server], *args: str, app: str = "tests.apps.gevent:app",
                   **kwargs: Any) -> Server:
     return factory(*GEVENT, *args, app=app, workers=1, **kwargs).wait_ready()
 
@@ -128,10 +128,10 @@ def sockets() -> Iterator[list[socket.socket]]:
 
 def test_app_importing_ssl_threading_requests_sees_them_patched(server_factory: Any, gates: Any,
                                                                  sockets: list[socket.socket]) -> None:
-    """tests/apps_patched.py imports ssl, threading and requests (and binds objects from them)
+    """tests/apps/patched.py imports ssl, threading and requests (and binds objects from them)
     at module level: every one it captured must already be gevent's, threading must be
     greenlet-backed, and gevent must not have warned about patching too late."""
-    s = gevent_server(server_factory, app="tests.apps_patched:app")
+    s = gevent_server(server_factory, app="tests.apps.patched:app")
     response = get(s.port, "/patched")
     assert response.status == 200, response.body
     report = json.loads(response.body)
@@ -172,7 +172,7 @@ def test_preload_never_serves_an_app_imported_before_patching(server_factory: An
     patch_all(): the same class of bug. Either the server refuses the combination (exits with
     an error that says so) or the app it serves sees patched modules — never an app holding
     unpatched ssl/threading objects behind a MonkeyPatchWarning."""
-    s = server_factory(*GEVENT, "--preload", app="tests.apps_patched:app", workers=1)
+    s = server_factory(*GEVENT, "--preload", app="tests.apps.patched:app", workers=1)
     wait_for(lambda: s.proc.poll() is not None or s.count_log("Server ready"), 15,
              "the server to start or refuse --preload with gevent")
     if s.proc.poll() is not None:

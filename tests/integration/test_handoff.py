@@ -1,6 +1,6 @@
 """Handoff between two separately started instances (HAProxy's -sf / -st), and TTOU / TTIN.
 
-The old instance answers ``old PID``, the new one ``new PID`` (``tests.apps_reload`` with two
+The old instance answers ``old PID``, the new one ``new PID`` (``tests.apps.reload`` with two
 version files), so the load shows who served every request. The load uses a fresh connection
 per request: a connection refused or reset during the handoff is a failed request.
 """
@@ -19,7 +19,7 @@ from tests.integration.test_reload import pid_of, version_of
 from tests.harness import worker_set, Server, closed_without_response, get, read_response, refused, send_get, wait_for
 from tests.load import Load
 
-APP = "tests.apps_reload:app"
+APP = "tests.apps.reload:app"
 THREADS = 4
 
 

@@ -5,7 +5,7 @@ socket has a timeout and every wait ends on an event (a byte, EOF, a log line, a
 content), never on a sleep. ``RawClient`` below is the one raw HTTP/1.1 reader, shared by
 ``test_keepalive.py`` and ``test_wsgi.py``.
 
-Requests the server must refuse are sent to ``tests.apps_http:app``, which records every call
+Requests the server must refuse are sent to ``tests.apps.http:app``, which records every call
 in a file: an empty record proves the request never reached the application.
 """
 
@@ -204,9 +204,9 @@ def post_chunked(path: str, *pieces: bytes, close: bool = False) -> bytes:
 
 def start_recorded(server_factory: type[Server], tmp_path: Path, *args: str,
                    **kwargs: object) -> tuple[Server, Path]:
-    """A server running tests.apps_http:app, which records each call in the returned file."""
+    """A server running tests.apps.http:app, which records each call in the returned file."""
     record = tmp_path / "app-calls.log"
-    server = server_factory(*args, app="tests.apps_http:app",  # type: ignore[call-arg]
+    server = server_factory(*args, app="tests.apps.http:app",  # type: ignore[call-arg]
                             env={"FORKSERVE_TEST_RECORD": str(record)}, **kwargs)
     return server.wait_ready(), record
 

@@ -187,15 +187,16 @@ def test_worker_that_exits_in_a_request_is_replaced(server_factory: Any) -> None
 # -- 3. boot failures ---------------------------------------------------------------------------
 
 BOOT_FAILURES = {
-    "import-error": ("tests.apps:app", {"TESTAPP_FAIL_IMPORT": "1"},
-                     ["tests.apps", "ImportError: failing on purpose (TESTAPP_FAIL_IMPORT)"]),
+    "import-error": ("tests.apps.basic:app", {"TESTAPP_FAIL_IMPORT": "1"},
+                     ["tests.apps.basic", "ImportError: failing on purpose (TESTAPP_FAIL_IMPORT)"]),
     "no-module": ("no_such_module_here:app", {},
                   ["no_such_module_here", "ModuleNotFoundError: No module named 'no_such_module_here'"]),
-    "no-attribute": ("tests.apps:no_such_app", {}, ["tests.apps", "no_such_app"]),
+    "no-attribute": ("tests.apps.basic:no_such_app", {}, ["tests.apps.basic", "no_such_app"]),
     "syntax-error": ("syntax_broken:app", {}, ["syntax_broken", "SyntaxError: invalid syntax"]),
-    "factory-raises": ("tests.apps_lifecycle:failing_factory()", {},
+    "factory-raises": ("tests.apps.lifecycle:failing_factory()", {},
                        ["failing_factory", "ValueError: the factory refused on purpose"]),
-    "not-callable": ("tests.apps:not_callable", {}, ["tests.apps:not_callable", "not callable"]),
+    "not-callable": ("tests.apps.basic:not_callable", {},
+                     ["tests.apps.basic:not_callable", "not callable"]),
 }
 
 
@@ -232,7 +233,7 @@ def test_app_load_error_exit_code_is_reliable(server_factory: Any) -> None:
 
 
 def test_worker_dying_while_booting_exits_3(server_factory: Any) -> None:
-    server = server_factory(app="tests.apps_lifecycle:app", env={"LIFECYCLE_EXIT_ON_IMPORT": "7"})
+    server = server_factory(app="tests.apps.lifecycle:app", env={"LIFECYCLE_EXIT_ON_IMPORT": "7"})
     assert exit_code(server, 5) == WORKER_BOOT_ERROR, server.log_text()
     lines = errors(server)
     assert len(lines) == 1, server.log_text()
@@ -242,7 +243,7 @@ def test_worker_dying_while_booting_exits_3(server_factory: Any) -> None:
 def test_worker_hanging_while_booting_times_out(server_factory: Any, tmp_path: Path) -> None:
     fifo = tmp_path / "boot"
     os.mkfifo(fifo)
-    server = server_factory("--timeout", "1", app="tests.slow_boot_app:app", workers=1,
+    server = server_factory("--timeout", "1", app="tests.apps.slow_boot:app", workers=1,
                             env={"SLOW_BOOT_FIFO": str(fifo)})
     server.wait_log("timed out (no boot for 1s)")
     assert exit_code(server, 8) == WORKER_BOOT_ERROR, server.log_text()
@@ -362,7 +363,7 @@ def test_hup_applies_a_changed_worker_count(server_factory: Any, tmp_path: Path)
 
 def test_hup_with_a_broken_app_keeps_the_old_workers(server_factory: Any, tmp_path: Path) -> None:
     flag = tmp_path / "break-the-app"
-    server = server_factory(app="tests.apps_lifecycle:app",
+    server = server_factory(app="tests.apps.lifecycle:app",
                             env={"LIFECYCLE_BREAK_IF_EXISTS": str(flag)}).wait_ready()
     old = worker_set(server, 2)
     flag.touch()
@@ -389,10 +390,10 @@ def test_failed_reload_keeps_the_old_configuration(server_factory: Any, tmp_path
     """After "Reload failed" the old generation keeps serving *with its configuration*: a worker
     of it that dies later is replaced by one that boots, not by one running the broken app."""
     config = tmp_path / "forkserve.yaml"
-    config.write_text("workers: 1\napp: tests.apps:app\n")
+    config.write_text("workers: 1\napp: tests.apps.basic:app\n")
     server = server_factory("-c", str(config), app="", workers=0).wait_ready()
     (old,) = worker_set(server, 1)
-    config.write_text("workers: 1\napp: tests.apps:no_such_app\n")
+    config.write_text("workers: 1\napp: tests.apps.basic:no_such_app\n")
     server.signal(signal.SIGHUP)
     server.wait_log("Reload failed")
     assert int(get(server.port, "/pid").body) == old
@@ -499,9 +500,10 @@ def test_pidfile_written_and_removed(server_factory: Any, tmp_path: Path) -> Non
 # -- 10. process titles -------------------------------------------------------------------------
 
 def test_process_titles(server: Server) -> None:
-    assert cmdline(server.pid) == "forkserve: arbiter [tests.apps:app]"
+    assert cmdline(server.pid) == "forkserve: arbiter [tests.apps.basic:app]"
     titles = sorted(cmdline(pid) for pid in worker_set(server, 2))
-    assert titles == ["forkserve: worker 1 [tests.apps:app]", "forkserve: worker 2 [tests.apps:app]"]
+    assert titles == ["forkserve: worker 1 [tests.apps.basic:app]",
+                      "forkserve: worker 2 [tests.apps.basic:app]"]
 
 
 

@@ -427,7 +427,7 @@ def test_text_format_one_human_line_per_event(server_factory: Any) -> None:
     pid, level, fields = by_message["Starting forkserve"]
     assert (pid, level) == (server.pid, "INFO")
     assert fields["listening"] == f"127.0.0.1:{port}" and fields["workers"] == "2"
-    assert fields["app"] == "tests.apps:app"
+    assert fields["app"] == "tests.apps.basic:app"
     spawned = [f for _, _, m, f in events if m == "Spawned worker"]
     assert len(spawned) == 3 and {f["generation"] for f in spawned} == {"1"}
     assert int(spawned[0]["pid"]) > 0

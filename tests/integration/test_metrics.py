@@ -1,6 +1,6 @@
 """/metrics on the status server against real ``python -m forkserve`` process groups.
 
-The app (``tests.apps_metrics``) has its own prometheus_client metrics (``app_hits_total``, a
+The app (``tests.apps.metrics``) has its own prometheus_client metrics (``app_hits_total``, a
 counter; ``app_worker_up``, a ``liveall`` gauge), so every test also checks that they come out
 merged with forkserve's. Expositions are parsed with prometheus_client's own parsers.
 
@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.harness import (Server, get, open_fds, raw_request, read_response, send_get, wait_for,
                            worker_set)
 
-APP = "tests.apps_metrics:app"
+APP = "tests.apps.metrics:app"
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
 REQUESTS = "forkserve_requests_total"
 DURATIONS = "forkserve_request_duration_seconds_count"
@@ -638,7 +638,8 @@ def test_worker_that_cannot_create_its_metric_files_still_serves(server_factory:
     would fail its import, as they should."""
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    server = start(server_factory, workers=1, env={"TMPDIR": str(tmpdir)}, app="tests.apps:app")
+    server = start(server_factory, workers=1, env={"TMPDIR": str(tmpdir)},
+                   app="tests.apps.basic:app")
     (path,) = glob.glob(str(tmpdir / f"forkserve-metrics-{server.pid}-*"))
     (worker,) = worker_set(server, 1)
     for _ in range(3):
@@ -673,7 +674,7 @@ def test_upgrade_check_import_is_not_counted(server_factory: Any, tmp_path: Path
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     imports = tmp_path / "imports"
-    server = start(server_factory, app="tests.apps_metrics_import:app",
+    server = start(server_factory, app="tests.apps.metrics_import:app",
                    env={"TMPDIR": str(tmpdir), "APP_IMPORTS_LOG": str(imports)})
     old = worker_set(server, 2)
     path = get(server.port, "/metrics-dir").body.decode()
@@ -721,7 +722,8 @@ def test_upgrade_with_an_unusable_metrics_directory_keeps_serving(server_factory
     server serves on either way. Metrics are an extra."""
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    server = start(server_factory, workers=1, env={"TMPDIR": str(tmpdir)}, app="tests.apps:app")
+    server = start(server_factory, workers=1, env={"TMPDIR": str(tmpdir)},
+                   app="tests.apps.basic:app")
     (path,) = glob.glob(str(tmpdir / f"forkserve-metrics-{server.pid}-*"))
     outcomes = ("Upgrade complete", "Upgrade aborted", "Upgrade failed")
     with replaced_by_a_file(path):

@@ -11,7 +11,7 @@ from tests.harness import children, wait_for
 
 def test_preload_imports_the_app_once_in_the_arbiter(server_factory, tmp_path):
     record = tmp_path / "imports"
-    server = server_factory("--preload", app="tests.apps_options:app",
+    server = server_factory("--preload", app="tests.apps.options:app",
                             env={"TESTAPP_IMPORT_RECORD": str(record)}).wait_ready()
     importers = record.read_text().split()
     assert importers == [str(server.pid)], "with --preload only the arbiter imports the app"
@@ -22,7 +22,7 @@ def test_preload_imports_the_app_once_in_the_arbiter(server_factory, tmp_path):
 
 def test_without_preload_each_worker_imports_the_app(server_factory, tmp_path):
     record = tmp_path / "imports"
-    server = server_factory(app="tests.apps_options:app",
+    server = server_factory(app="tests.apps.options:app",
                             env={"TESTAPP_IMPORT_RECORD": str(record)}).wait_ready()
     importers = set(record.read_text().split())
     assert str(server.pid) not in importers

@@ -11,7 +11,7 @@ import requests
 def test_buffered_otel_spans_are_flushed_at_exit(server_factory, tmp_path):
     out = tmp_path / "spans"
     out.touch()
-    server = server_factory(app="tests.apps_otel:app",
+    server = server_factory(app="tests.apps.otel:app",
                             env={"TESTAPP_OTEL_OUT": str(out)}).wait_ready()
     for n in range(10):
         assert requests.get(f"{server.url}/?{n}", timeout=10).text == "traced"
@@ -25,7 +25,7 @@ def test_buffered_otel_spans_are_flushed_at_exit(server_factory, tmp_path):
 def test_buffered_otel_spans_are_flushed_when_a_worker_retires(server_factory, tmp_path):
     out = tmp_path / "spans"
     out.touch()
-    server = server_factory("--max-requests", "3", app="tests.apps_otel:app", workers=1,
+    server = server_factory("--max-requests", "3", app="tests.apps.otel:app", workers=1,
                             env={"TESTAPP_OTEL_OUT": str(out)}).wait_ready()
     for n in range(3):
         assert requests.get(f"{server.url}/?{n}", timeout=10).text == "traced"

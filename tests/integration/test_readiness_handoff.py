@@ -78,7 +78,7 @@ def check(name: str, prober: Prober, loads: Loads) -> None:
 
 
 def start(server_factory: Any, worker_class: str, *args: str, bind: str = "127.0.0.1:0",
-          status_bind: str = "127.0.0.1:0", app: str = "tests.apps:app") -> Server:
+          status_bind: str = "127.0.0.1:0", app: str = "tests.apps.basic:app") -> Server:
     """The app first: a trailing ``-sf PID`` list in ``args`` cannot swallow it."""
     return server_factory(app, "-k", worker_class, "--status-bind", status_bind,
                           *args, app="", bind=bind)  # type: ignore[no-any-return]
@@ -170,7 +170,8 @@ def test_stand_in_answers_in_the_exec_window_and_leaves_no_orphan(server_factory
 # -- -sf --takeover and -sf --reuse-port ----------------------------------------------------------
 
 def handoffs(server_factory: Any, first: Server, worker_class: str, prober: Prober | None,
-             loads: Loads, ctl_dir: Path, how: str, app: str = "tests.apps:app") -> list[Server]:
+             loads: Loads, ctl_dir: Path, how: str,
+             app: str = "tests.apps.basic:app") -> list[Server]:
     """TIMES successive ``-sf`` handoffs on the same ports; returns every instance, in order."""
     chain = [first]
     for n in range(1, TIMES + 1):

@@ -1,7 +1,7 @@
 """Zero-downtime reloads under load: 20 HUPs in a row, and USR2 in-place upgrades, on every
 worker class, with clients that open a new connection per request and with keep-alive clients.
 
-The app (``tests.apps_reload``) answers ``VERSION PID`` with the version read from a file at
+The app (``tests.apps.reload``) answers ``VERSION PID`` with the version read from a file at
 import, so every response tells which code and which worker served it. The load
 (``tests.load.Load``): with a fresh connection per request a refused or reset connection during a
 reload is a failure; with keep-alive, a kept connection closed under a request (an empty reply,
@@ -22,7 +22,7 @@ import pytest
 from tests.harness import worker_set, Server, get, open_fds, wait_for
 from tests.load import Load
 
-APP = "tests.apps_reload:app"
+APP = "tests.apps.reload:app"
 THREADS = 4
 CLASS_ARGS = {"sync": (), "thread": ("-k", "thread", "--threads", "4"), "gevent": ("-k", "gevent")}
 by_worker_class = pytest.mark.parametrize("worker_class", list(CLASS_ARGS))

@@ -2,12 +2,12 @@
 arbiter itself, against real ``python -m forkserve`` process groups.
 
 Real signals, port 0 for the main listener and for the status listener. Requests are held in
-flight on FIFO gates (``/block?fifo=`` of tests.apps, ``/held`` and ``/background`` of
-tests.apps_drain), workers are held booting on a FIFO opened by their import
-(tests.slow_boot_app, tests.apps_status), and every wait is a deadline-bounded ``wait_for`` or
+flight on FIFO gates (``/block?fifo=`` of tests.apps.basic, ``/held`` and ``/background`` of
+tests.apps.drain), workers are held booting on a FIFO opened by their import
+(tests.apps.slow_boot, tests.apps.status), and every wait is a deadline-bounded ``wait_for`` or
 log wait. The waits for time itself are the lameduck period and the status server's head
 timeout, where time is the point, and a worker held in one C call of a calibrated length
-(``/spin`` of tests.apps_status): a FIFO cannot hold a worker where no signal handler runs.
+(``/spin`` of tests.apps.status): a FIFO cannot hold a worker where no signal handler runs.
 
 Every status request goes on a fresh connection that does not ask for ``Connection: close``:
 :func:`fetch` reads until the server closes, so an answer that leaves the connection open fails.
@@ -292,7 +292,7 @@ def test_endpoints_of_a_running_two_worker_server(server_factory: Any) -> None:
 
 def test_readyz_fails_while_booting_then_passes(server_factory: Any, gates: Any) -> None:
     gate = gates("boot")  # the worker's import waits on it: still booting until released
-    server = server_factory(*STATUS, app="tests.slow_boot_app:app", workers=1,
+    server = server_factory(*STATUS, app="tests.apps.slow_boot:app", workers=1,
                             env={"SLOW_BOOT_FIFO": str(gate.path)})
     server.wait_log("Spawned worker")
     gate.wait_entered()  # the import is waiting on the gate
@@ -341,7 +341,7 @@ def test_status_answers_through_the_drain_with_falling_counters(server_factory: 
     releasing the requests one by one shows 3 -> 2 -> 1 -> 0 in flight on /status, which keeps
     answering (the background task holds the drain) until the server exits; then the port
     refuses."""
-    server = server_factory(*STATUS, "-k", "thread", "--threads", "4", app="tests.apps_drain:app",
+    server = server_factory(*STATUS, "-k", "thread", "--threads", "4", app="tests.apps.drain:app",
                             workers=1).wait_ready()
     task = gates("task")
     submitted = get(server.port, f"/background?fifo={task.path}&out={tmp_path / 'out'}")
@@ -506,7 +506,7 @@ def test_only_the_first_of_pipelined_requests_is_answered(server_factory: Any) -
 # -- 7. workers never hold the status sockets ----------------------------------------------------
 
 def test_workers_do_not_hold_the_status_listener_or_its_clients(server_factory: Any) -> None:
-    server = server_factory(*STATUS, app="tests.apps_status:app").wait_ready()
+    server = server_factory(*STATUS, app="tests.apps.status:app").wait_ready()
     pids = worker_set(server, 2)
     main_inode = listener_inode(server.port)
     status_inode = listener_inode(server.status_port)
@@ -556,7 +556,7 @@ def test_workers_do_not_hold_the_status_listener_or_its_clients(server_factory: 
 @pytest.mark.parametrize("value", ["unix:/tmp/x", "fd://3", "127.0.0.1:70000", "127.0.0.1:port"])
 def test_bad_status_bind_exits_2_with_one_line(value: str) -> None:
     result = forkserve_cli("-w", "1", "-b", "127.0.0.1:0", "--status-bind", value,
-                           "tests.apps:app")
+                           "tests.apps.basic:app")
     assert result.returncode == USAGE, (result.stdout, result.stderr)
     assert "--status-bind" in one_line(result.stderr)
     assert result.stdout == ""
@@ -568,7 +568,7 @@ def test_status_port_in_use_exits_1_with_one_line() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         result = forkserve_cli("-w", "1", "-b", "127.0.0.1:0", "--status-bind",
-                               f"127.0.0.1:{port}", "tests.apps:app")
+                               f"127.0.0.1:{port}", "tests.apps.basic:app")
     assert result.returncode == 1, (result.stdout, result.stderr)
     line = one_line(result.stderr)
     assert f"127.0.0.1:{port}" in line and "status" in line and "in use" in line, line
@@ -656,7 +656,7 @@ def test_readyz_stays_ready_while_a_reload_generation_boots(server_factory: Any,
     """Readiness means "send me traffic" (issue 10): the old generation serves while the new
     one boots, so /readyz stays 200; ``reloading`` tells operators a reload is under way."""
     boot = tmp_path / "boot"  # absent: the first generation boots at once
-    server = server_factory(*STATUS, app="tests.apps_status:app", workers=1,
+    server = server_factory(*STATUS, app="tests.apps.status:app", workers=1,
                             env={"STATUS_BOOT_GATE": str(boot)}).wait_ready()
     (old,) = worker_set(server, 1)
     assert answer(server, "/readyz")["ready"] is True
@@ -799,7 +799,7 @@ def test_status_and_metrics_do_not_wait_for_a_worker_stuck_in_c(server_factory: 
     """The one sync worker is inside a 2.5 s C call: SIGWINCH's Python handler cannot run, so
     its numbers never come. 20 /metrics share one 0.1 s wait for them, /healthz waits for
     nothing, and all are answered long before the call ends."""
-    server = server_factory(*STATUS, app="tests.apps_status:app", workers=1).wait_ready()
+    server = server_factory(*STATUS, app="tests.apps.status:app", workers=1).wait_ready()
     (busy,) = worker_set(server, 1)
     marker = tmp_path / "spinning"
     results: list[tuple[str, float, float, Response | BaseException]] = []
@@ -845,7 +845,7 @@ def test_readyz_fails_while_no_worker_can_boot(server_factory: Any, tmp_path: Pa
     """The one worker is killed and its replacements cannot import the app: retried with
     back-off, the instance is alive (/healthz) but not ready until a worker boots again."""
     refuse = tmp_path / "refuse"  # absent: the first worker boots
-    server = server_factory(*STATUS, app="tests.apps_status:app", workers=1,
+    server = server_factory(*STATUS, app="tests.apps.status:app", workers=1,
                             env={"STATUS_REFUSE_FILE": str(refuse)}).wait_ready()
     (old,) = worker_set(server, 1)
     assert answer(server, "/readyz")["ready"] is True
@@ -891,7 +891,7 @@ def test_sf_handoff_moves_the_status_port_to_the_successor(server_factory: Any,
     gate = gates()
     with send_get(old.port, gate.route) as held:
         gate.wait_entered()
-        new = server_factory("tests.apps:app", "--status-bind", f"127.0.0.1:{status_port}",
+        new = server_factory("tests.apps.basic:app", "--status-bind", f"127.0.0.1:{status_port}",
                              "-sf", str(old.pid), app="", bind=f"127.0.0.1:{old.port}")
         new.wait_log("Address in use; asking the old instance(s) to pause listening",
                      pids=str(old.pid))

@@ -192,7 +192,7 @@ os.environ.update(LISTEN_PID=listen_pid or str(os.getpid()), LISTEN_FDS="1", LIS
 os.execv(sys.executable, [sys.executable, "-m", "forkserve", *sys.argv[3:]])
 """
 
-FORKSERVE_ARGS = ["-w", "2", "--log-format", "json", "-b", "127.0.0.1:0", "tests.apps:app"]
+FORKSERVE_ARGS = ["-w", "2", "--log-format", "json", "-b", "127.0.0.1:0", "tests.apps.basic:app"]
 
 
 def launch_with_socket(launched: list[LaunchedServer], listen_pid: str = "") -> tuple[LaunchedServer, int]:

@@ -259,10 +259,10 @@ def test_content_length_mismatch_is_logged(one_worker: Server, route: str) -> No
 # -- 10. PEP 3333 validation (wsgiref.validate) --------------------------------------------
 
 def test_wsgiref_validator_finds_nothing(server_factory: type[Server]) -> None:
-    """``tests.apps:validated`` wraps the app in wsgiref's validator, which raises
+    """``tests.apps.basic:validated`` wraps the app in wsgiref's validator, which raises
     AssertionError on any violation by the server, and warns on some; PYTHONWARNINGS=error
     makes those warnings errors too. Any of them would reach the error log as a traceback."""
-    server = server_factory(app="tests.apps:validated",  # type: ignore[call-arg]
+    server = server_factory(app="tests.apps.basic:validated",  # type: ignore[call-arg]
                             env={"PYTHONWARNINGS": "error"}).wait_ready()
     url = server.url
     with requests.Session() as session:

@@ -10,7 +10,7 @@ import pytest
 from forkserve.config import (BY_NAME, SETTINGS, ConfigError, build_argparser, parse_args,
                               reloadable_changes, resolve, unknown_env)
 
-APP = "tests.apps:app"
+APP = "tests.apps.basic:app"
 
 
 def cli(*argv: str) -> dict[str, Any]:
@@ -58,10 +58,10 @@ def test_env_beats_yaml_and_cli_beats_env_for_each_layer(tmp_path: Path) -> None
 
 
 def test_config_path_from_the_environment(tmp_path: Path) -> None:
-    path = yaml_file(tmp_path, "workers: 6\napp: tests.apps:validated\n")
+    path = yaml_file(tmp_path, "workers: 6\napp: tests.apps.basic:validated\n")
     config = resolve(cli(), {"FORKSERVE_CONFIG": path})
     assert config.workers == 6 and config.sources["workers"] == "file"
-    assert config.app == "tests.apps:validated" and config.sources["app"] == "file"
+    assert config.app == "tests.apps.basic:validated" and config.sources["app"] == "file"
     assert config.sources["config"] == "env"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from tests.apps import app  # noqa: F401
+from tests.apps.basic import app  # noqa: F401
 
 _fifo = os.environ.get("SLOW_BOOT_FIFO")
 if _fifo:

@@ -4,14 +4,15 @@
 new version there and reloads, and every response then shows which code served it. A version
 file that reads ``broken`` makes the import raise (a broken deploy).
 
-Routes: ``/`` answers ``VERSION PID``; everything else is ``tests.apps.app`` (/pid, /block...).
+Routes: ``/`` answers ``VERSION PID``; everything else is ``tests.apps.basic.app`` (/pid,
+/block...).
 """
 
 from __future__ import annotations
 
 import os
 
-from tests.apps import app as _base
+from tests.apps.basic import app as _base
 
 _path = os.environ.get("RELOAD_VERSION_FILE")
 if _path:

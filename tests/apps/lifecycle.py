@@ -6,14 +6,14 @@
   the "deploy" between a start and a HUP.
 - ``failing_factory``: for ``MODULE:failing_factory()``, a factory that raises.
 
-``app`` is ``tests.apps.app`` (same routes: /pid, /block?fifo=..., /exit...).
+``app`` is ``tests.apps.basic.app`` (same routes: /pid, /block?fifo=..., /exit...).
 """
 
 from __future__ import annotations
 
 import os
 
-from tests.apps import app, factory  # noqa: F401  (re-exported for MODULE:APP specs)
+from tests.apps.basic import app, factory  # noqa: F401  (re-exported for MODULE:APP specs)
 
 if os.environ.get("LIFECYCLE_EXIT_ON_IMPORT"):
     os._exit(int(os.environ["LIFECYCLE_EXIT_ON_IMPORT"]))

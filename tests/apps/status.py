@@ -1,14 +1,15 @@
 """An app for the status-server tests whose import waits on a gate only once the test made one.
 
 ``STATUS_BOOT_GATE=PATH``: if PATH exists when a worker imports this module (the test creates it
-as a FIFO), the import waits until the test opens and closes it (``tests.apps.wait_gate``). The
-first generation boots at once (PATH does not exist yet); a generation started by HUP after the
-test created the FIFO stays booting until the test releases it. No sleeping.
+as a FIFO), the import waits until the test opens and closes it
+(``tests.apps.basic.wait_gate``). The first generation boots at once (PATH does not exist yet);
+a generation started by HUP after the test created the FIFO stays booting until the test
+releases it. No sleeping.
 
 ``STATUS_REFUSE_FILE=PATH``: while PATH exists, importing this module fails (a worker started
 then fails to boot); once the test removes it, the next worker boots.
 
-Routes: those of ``tests.apps.app``, and
+Routes: those of ``tests.apps.basic.app``, and
 
 - ``/spin?seconds=S&marker=PATH``: one long C call that never returns to Python (so a signal's
   Python handler cannot run in it) of about S seconds, calibrated here. PATH is written just
@@ -23,8 +24,8 @@ import json
 import os
 import time
 
-from tests.apps import _qs, _text, wait_gate
-from tests.apps import app as _routes
+from tests.apps.basic import _qs, _text, wait_gate
+from tests.apps.basic import app as _routes
 
 _gate = os.environ.get("STATUS_BOOT_GATE")
 if _gate and os.path.exists(_gate):

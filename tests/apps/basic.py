@@ -1,4 +1,4 @@
-"""WSGI apps the integration tests run through real forkserve processes.
+"""The basic WSGI apps most integration tests run (the other modules of tests.apps build on it).
 
 ``app`` routes on PATH_INFO. Requests are held in flight by blocking on a FIFO the test opens
 (``/block?fifo=PATH``), never by sleeping.

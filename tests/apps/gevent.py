@@ -1,6 +1,6 @@
 """The app of the gevent worker tests (issue 5). Everything here blocks cooperatively: under
 ``-k gevent`` ``time.sleep`` and sockets are patched; FIFO gates are waited on with a
-non-blocking open and a poll (``tests.apps_drain``'s gate).
+non-blocking open and a poll (``tests.apps.drain``'s gate).
 
 Routes (parameters in the query string)
 - ``/fast``: answers at once.
@@ -13,7 +13,7 @@ Routes (parameters in the query string)
 - ``/upstream?url=URL&out=PATH``: ``requests.get(URL)`` (an upstream that never answers), with
   a shutdown function appending ``shutdown``; ``entered`` before the call, ``cancelled`` from
   the ``except RequestCancelled`` clause.
-- anything else: ``tests.apps_drain.app`` (``/held?fifo=``, ``/cancel``...).
+- anything else: ``tests.apps.drain.app`` (``/held?fifo=``, ``/cancel``...).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from urllib.parse import parse_qs
 import requests
 
 import forkserve
-from tests.apps_drain import app as drain_app
+from tests.apps.drain import app as drain_app
 
 
 def _qs(environ):

@@ -28,7 +28,7 @@ provider = TracerProvider()
 provider.add_span_processor(BatchSpanProcessor(FileExporter(os.environ["TESTAPP_OTEL_OUT"]),
                                                schedule_delay_millis=60_000))
 trace.set_tracer_provider(provider)
-tracer = trace.get_tracer("tests.apps_otel")
+tracer = trace.get_tracer("tests.apps.otel")
 
 
 def app(environ, start_response):

@@ -30,7 +30,7 @@ Routes
 - ``/background-unstarted?fifo=&out=``: submits a task that waits on the gate and writes
   ``gated``, then ``never_started_task`` (writes ``never-started``); answers at once.
 - ``/spans?n=N&tag=T``: records N spans ``span-T-I`` (attribute ``i``) and answers.
-- anything else: ``tests.apps.app``.
+- anything else: ``tests.apps.basic.app``.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import time
 from urllib.parse import parse_qs
 
 import forkserve
-from tests.apps import app as basic_app
-from tests.apps import wait_gate
+from tests.apps.basic import app as basic_app
+from tests.apps.basic import wait_gate
 
 
 def _qs(environ):

@@ -26,7 +26,7 @@ from urllib.parse import parse_qs
 import forkserve
 from prometheus_client import Counter, Gauge
 
-from tests.apps import wait_gate
+from tests.apps.basic import wait_gate
 
 HITS = Counter("app_hits", "Requests this app answered")
 WORKER_UP = Gauge("app_worker_up", "1 per live worker", multiprocess_mode="liveall")

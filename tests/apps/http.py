@@ -1,4 +1,4 @@
-"""WSGI app for the HTTP/WSGI integration tests: ``tests.apps:app`` plus a few routes, and a
+"""WSGI app for the HTTP/WSGI integration tests: ``tests.apps.basic:app`` plus a few routes, and a
 record of every call.
 
 When ``FORKSERVE_TEST_RECORD`` names a file, each call of the app appends one line
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 
-from tests.apps import app as base_app
+from tests.apps.basic import app as base_app
 
 
 def _record(environ):

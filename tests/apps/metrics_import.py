@@ -1,6 +1,6 @@
-"""``tests.apps_metrics``'s app, plus a counter of how many processes imported it.
+"""``tests.apps.metrics``'s app, plus a counter of how many processes imported it.
 
-Metrics (besides those of ``tests.apps_metrics``)
+Metrics (besides those of ``tests.apps.metrics``)
 - ``app_imports_total`` (counter): incremented once at import, so each worker that loads the
   app adds 1; so would any other process that imports it with the same
   ``PROMETHEUS_MULTIPROC_DIR`` (an upgrade's ``--check`` does import the app).
@@ -16,7 +16,7 @@ import os
 
 from prometheus_client import Counter
 
-from tests.apps_metrics import app
+from tests.apps.metrics import app
 
 __all__ = ["app"]
 
