@@ -122,7 +122,7 @@ def test_readyz_stays_200_while_max_requests_recycles_every_worker(server_factor
     them. That is no reason to tell a balancer to go away (behind HAProxy it answered 503
     "no server" to clients that would have been served a moment later)."""
     server = server_factory(*STATUS, "-k", worker_class, "--max-requests", "20",
-                            app="tests.apps_reload:app").wait_ready()
+                            app="tests.apps.reload:app").wait_ready()
     load = Load(server.port, threads=8, seconds=120).start()
     with Prober(server.status_port) as prober:
         wait_for(lambda: server.count_log("retired") >= 20 and len(prober.answers) >= 100, 60,
