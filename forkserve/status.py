@@ -133,8 +133,10 @@ class StatusServer:
         return self.sock.fileno()
 
     def fds(self) -> list[int]:
-        """Everything a forked worker must close."""
-        return [self.sock.fileno(), *self.clients]
+        """Everything a forked worker must close (the listener only while it is open: paused,
+        or not bound again at a resume, it is closed already)."""
+        listener = self.sock.fileno()
+        return [*([listener] if listener >= 0 else []), *self.clients]
 
     def next_deadline(self) -> float | None:
         deadlines = [c.deadline for c in self.clients.values()]

@@ -126,6 +126,7 @@ class Worker:
         """Entered right after fork in the child; never returns."""
         code = ExitCode.OK
         try:
+            self._close_inherited()
             self._post_fork()
             if not self._boot():
                 code = ExitCode.APP_LOAD_ERROR
@@ -151,13 +152,21 @@ class Worker:
             self._flush_telemetry()
         os._exit(code)
 
-    def _post_fork(self) -> None:
-        sigs.reset_in_child(WORKER_SIGNALS + (signal.SIGCHLD,))
+    def _close_inherited(self) -> None:
+        """First thing in the child, before any class's own set-up (gevent's monkey-patching
+        takes a while): the arbiter's own descriptors (the status listener and its clients,
+        the control socket, the pipes' other ends). Held here any longer, a TTOU meanwhile
+        would not free the status port for a successor, or for our own TTIN."""
         for fd in self.close_fds:
+            if fd < 0:
+                continue
             try:
                 os.close(fd)
             except OSError:
                 continue
+
+    def _post_fork(self) -> None:
+        sigs.reset_in_child(WORKER_SIGNALS + (signal.SIGCHLD,))
         self.wakeup_r, self.wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self.wakeup_w, warn_on_full_buffer=False)
         handlers = {
