@@ -1141,7 +1141,9 @@ class Arbiter:
             self.transition(Event.BOOT_FAILED, f"Application failed to boot: {reason}", level="error")
             self.halt_workers()
             return
-        if self.reload_generation == handle.generation:
+        old_serve = any(h.generation < handle.generation and not h.stopping and not h.deaf
+                        for h in self.workers.values())
+        if self.reload_generation == handle.generation and old_serve:
             self.reload_generation = None
             failed = [h for h in self.workers.values() if h.generation == handle.generation]
             self.signal_workers(signal.SIGQUIT, failed)
@@ -1155,7 +1157,9 @@ class Arbiter:
             self.log.error(f"Reload failed, the old workers keep serving: {reason}")
             self.count_reload("failed")
             return
-        # A replacement failed while the rest serve: retry, slower and slower (no fork loop).
+        # A replacement failed while the rest serve, or a resume's generation failed while the
+        # paused workers it replaces can serve nobody new: retry, slower and slower (no fork
+        # loop); the paused workers are retired once a new generation has booted.
         self.boot_failures += 1
         delay = min(0.5 * 2 ** (self.boot_failures - 1), MAX_RESPAWN_DELAY)
         self.respawn_after = time.monotonic() + delay
