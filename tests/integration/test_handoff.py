@@ -211,6 +211,33 @@ def test_ttou_pauses_and_ttin_resumes(server_factory: Any, tmp_path: Path, gates
 
 
 @pytest.mark.parametrize("worker_class", ["sync", "thread", "gevent"])
+def test_a_resume_that_cannot_boot_retries_instead_of_keeping_the_paused_workers(
+        server_factory: Any, tmp_path: Path, worker_class: str) -> None:
+    """TTIN reopens the port and boots a new generation; if that generation fails to boot, the
+    paused workers cannot stand in for it as a reload's old workers do (they closed their
+    listeners for good): the server keeps retrying, slower and slower, and once the app
+    imports again the clients queued meanwhile are served. It used to 'keep the old workers
+    serving': nobody accepted on the reopened port."""
+    extra = ["-k", worker_class, *(["--threads", str(THREADS)] if worker_class == "thread" else [])]
+    old = start_old(server_factory, tmp_path, *extra)
+    version = tmp_path / "version-old"
+    old.signal(signal.SIGTTOU)
+    old.wait_log("Paused: not listening")
+    version.write_text("broken")
+    old.signal(signal.SIGTTIN)
+    old.wait_log("Resumed: listening again")
+    old.wait_log("failed to boot", 15)
+    assert old.count_log("Reload failed") == 0, old.log_text()
+    with send_get(old.port, "/") as waiting:  # queued: nobody can take it yet
+        version.write_text("fixed")
+        response = read_response(waiting, 20)
+    assert response.status == 200 and response.body.startswith(b"fixed "), response
+    old.wait_log("Reload complete")  # the retried generation booted; the paused ones retire
+    old.signal(signal.SIGTERM)
+    assert old.wait_exit(10) == 0
+
+
+@pytest.mark.parametrize("worker_class", ["sync", "thread", "gevent"])
 def test_ttin_soon_after_ttou_waits_for_the_paused_workers(server_factory: Any, tmp_path: Path,
                                                            gates: Any, worker_class: str) -> None:
     """A TTIN that comes while the paused workers still hold the port (serving what was queued

@@ -702,6 +702,32 @@ def test_pause_frees_the_status_port_and_resume_takes_it_back(server_factory: An
     assert get(server.port, "/").status == 200
 
 
+@pytest.mark.parametrize("worker_class", ["sync", "thread", "gevent"])
+def test_resume_with_the_status_port_taken_still_boots_its_workers(server_factory: Any,
+                                                                   worker_class: str) -> None:
+    """TTIN while another process holds the status port: the server resumes without its
+    status server (logged), and the resumed generation boots and serves. Its gevent workers
+    used to crash at once: they were handed the closed listener's fd (-1) to close, and
+    gevent's os.close raises ValueError for it, so the paused workers stayed the only ones and
+    the reopened port was served by nobody."""
+    server = server_factory(*STATUS, "-k", worker_class).wait_ready()
+    before = set(server.workers())
+    server.signal(signal.SIGTTOU)
+    server.wait_log("Paused: not listening")
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", server.status_port))
+        squatter.listen(1)
+        server.signal(signal.SIGTTIN)
+        server.wait_log("Resume: cannot bind the status server again")
+        server.wait_log("Reload complete")  # the resumed generation booted
+    wait_for(lambda: len(w := set(server.workers())) == 2 and not w & before, 15,
+             "the resumed generation's two workers, the paused ones gone")
+    assert get(server.port, "/").status == 200
+    crashes = [r for r in errors(server) if "crashed" in r["message"] or "boot" in r["message"]]
+    assert crashes == [], server.log_text()
+
+
 # -- 11. hardening: nothing a client sends, or does not send, stops the arbiter -------------------
 
 def test_targets_the_url_parser_refuses_are_400_and_the_arbiter_lives(server_factory: Any) -> None:
