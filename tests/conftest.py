@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -8,6 +9,14 @@ from typing import Any, Iterator
 import pytest
 
 from tests.harness import Gate, Server
+
+# Started as a background job of a non-interactive shell (`nohup ... &`, some CI runners), the
+# suite inherits SIGINT ignored, and an ignored signal stays ignored across exec: every process
+# the tests start would ignore the Ctrl-C they send it (`forkserve status --watch` then never
+# stops). Give the children a terminal's disposition: a handler here is reset to the default
+# in them.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
