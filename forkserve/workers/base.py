@@ -280,14 +280,20 @@ class Worker:
                     still_queued = True
                 # A unix socket's queue cannot be measured: the loop drains it after the
                 # request (no alarms for it, which would only interrupt the app's calls).
-        self._watch_queue(still_queued)
+        self._watch_queue(still_queued or self.parked_to_close())
+
+    def parked_to_close(self) -> bool:
+        """Idle connections (sync worker: parked) the stop is to close while this worker is
+        busy, once their close grace is over (the alarms below look again)."""
+        return False
 
     def _watch_queue(self, on: bool) -> None:
         """A busy sync worker whose accept queue still held clients at the stop looks again
         every 0.1 s (SIGALRM): once the other workers have taken them it closes its copy of
         the listener, so that new clients are refused rather than left retrying their SYNs
-        against a queue that refuses them until this worker's request ends. Only where the
-        application leaves SIGALRM alone."""
+        against a queue that refuses them until this worker's request ends; and it closes its
+        parked idle connections once their close grace is over. Only where the application
+        leaves SIGALRM alone."""
         if on and not self.queue_watch:
             if signal.getsignal(signal.SIGALRM) is not signal.SIG_DFL:
                 return  # the application's own: leave it (the loop closes after the request)

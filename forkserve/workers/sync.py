@@ -31,7 +31,9 @@ NEW_CONNECTION_GRACE = 0.5  # seconds a silent new connection gets once the work
 # Closing an idle connection races a request the client (a balancer reusing its connection)
 # may be sending right then: that request would be lost. So a stopping worker answers what
 # arrives within this grace (with Connection: close) and closes only connections that have
-# been quiet for it, which a client is unlikely to pick at that very moment.
+# been quiet for it, which a client is unlikely to pick at that very moment. Quiet counts from
+# the last response or the stop, whichever is later: a balancer that marked us down (paused)
+# leaves its pooled connections idle, and picks them up again just as the resume retires us.
 KEEPALIVE_CLOSE_GRACE = 0.5
 RUNNING = WorkerState.RUNNING
 
@@ -52,6 +54,7 @@ class SyncWorker(Worker):
             self.environs[id(listener)] = base_environ(name, port, errors, self.multithread)
         self.connections: set[Connection] = set()
         self.taken: list[tuple[socket.socket, Any, Listener]] = []  # see _on_alarm
+        self.stop_seen: float | None = None  # see stop_began
         self.queue_checks = 0  # alarms in a row that found the accept queue no shorter
         self.queue_seen = 0
 
@@ -259,12 +262,19 @@ class SyncWorker(Worker):
             self.stop_cutoff(conn)
         return False
 
+    def stop_began(self) -> float:
+        """When this worker first applied a stop's graces: within moments of the stop itself
+        (every wait on a client wakes for it), and the same for every connection after."""
+        if self.stop_seen is None:
+            self.stop_seen = time.monotonic()
+        return self.stop_seen
+
     def stop_cutoff(self, conn: Connection) -> None:
         """The worker is stopping: how much longer a wait for a client's next request head may
         last. Its request may be on the wire right now: never close under it at once."""
         if conn.cutoff is not None or not conn.reading_head or conn.received:
             return
-        conn.cutoff = stop_grace_end(conn)
+        conn.cutoff = stop_grace_end(conn, self.stop_began())
 
     def _on_alarm(self, signum: int, frame: Any) -> None:
         """-- runs in a signal handler (see Worker._watch_queue): a busy worker at a stop, its
@@ -285,13 +295,20 @@ class SyncWorker(Worker):
                     if client is None:
                         break
                     self.taken.append((*client, listener))
+        if self.busy and self.state is WorkerState.STOPPING:
+            self.close_quiet_parked()
         super()._on_alarm(signum, frame)
 
     def close_quiet_parked(self) -> None:
         now = time.monotonic()
         for conn in self.parked:
-            if now >= stop_grace_end(conn) and not conn.readable_now():
+            if (not conn.output_ended and now >= stop_grace_end(conn, self.stop_began())
+                    and not conn.readable_now()):
                 conn.end_output()
+
+    def parked_to_close(self) -> bool:
+        return (self.busy and self.state is WorkerState.STOPPING
+                and any(not conn.output_ended and not conn.readable_now() for conn in self.parked))
 
     def _should_close(self) -> bool:
         """Asked as a response head is written: close rather than keep this client alive?"""
@@ -397,7 +414,7 @@ class SyncWorker(Worker):
         Connection: close); the connection closes once it has been quiet for the grace."""
         if conn.output_ended:
             return False  # half-closed at the stop (close_quiet_parked): done
-        deadline = min(deadline, stop_grace_end(conn))
+        deadline = min(deadline, stop_grace_end(conn, self.stop_began()))
         poller = select.poll()
         poller.register(conn.fd, POLLIN)
         poller.register(self.wakeup_r, POLLIN)
@@ -550,13 +567,13 @@ class SyncWorker(Worker):
         return status
 
 
-def stop_grace_end(conn: Connection) -> float:
+def stop_grace_end(conn: Connection, stop_began: float) -> float:
     """When a stopping worker gives up waiting for a connection's next request: an idle
-    keep-alive one once it has been quiet for the close grace, one just accepted and silent
-    after a short grace from now (its client may be about to send: a reload must not drop
-    it; or it is a pre-connect that never will)."""
+    keep-alive one once it has been quiet for the close grace since its last response or the
+    stop, one just accepted and silent after a short grace from now (its client may be about
+    to send: a reload must not drop it; or it is a pre-connect that never will)."""
     if conn.served:
-        return conn.idle_since + KEEPALIVE_CLOSE_GRACE
+        return max(conn.idle_since, stop_began) + KEEPALIVE_CLOSE_GRACE
     return time.monotonic() + NEW_CONNECTION_GRACE
 
 

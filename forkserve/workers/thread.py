@@ -175,7 +175,7 @@ class ThreadWorker(SyncWorker):
             now = time.monotonic()
             deadline = now + self.settings.header_timeout
             if self.state is not RUNNING:
-                deadline = min(deadline, stop_grace_end(conn))
+                deadline = min(deadline, stop_grace_end(conn, self.stop_began()))
             self._wait_for_client(conn, listener, deadline)
 
     def _wait_for_client(self, conn: Connection, listener: Listener, deadline: float) -> None:
@@ -216,7 +216,7 @@ class ThreadWorker(SyncWorker):
         """A stopping worker's limit on waiting for a connection's next request: the close
         grace for an idle keep-alive one (a request may be on its way), a short grace for
         one just accepted and silent."""
-        return min(deadline, stop_grace_end(conn))
+        return min(deadline, stop_grace_end(conn, self.stop_began()))
 
     def _take_back(self) -> None:
         drain_pipe(self.back_r)

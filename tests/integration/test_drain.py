@@ -723,8 +723,8 @@ def test_second_term_is_not_a_hard_stop(scenario: Any, gates: Any, worker_class:
 def test_parked_keepalive_connection_closed_at_drain_start(scenario: Any, gates: Any,
                                                            worker_class: str) -> None:
     """The sync worker's idle connection that it set aside ("parked") to serve a newcomer is
-    idle all the same: once it has been quiet for the close grace, the stop closes it at once,
-    though the worker is busy with the newcomer."""
+    idle all the same: once it has been quiet for the close grace, counted from the stop as
+    it was idle already, the stop closes it, though the worker is busy with the newcomer."""
     s = scenario(worker_class, "--keepalive", "30", workers=1)
     idle = s.track(send_get(s.port, s.target("/"), close=False))
     assert read_response(idle).status == 200
