@@ -519,8 +519,12 @@ def judge(cell: Cell, tally: Tally) -> None:
             else:
                 lost += 1
     cell.lost = lost
+    def excused(at: float, kind: str) -> bool:
+        return any(kind in w.kinds and w.start <= at <= w.end for w in cell.windows)
+    # The failures that count first: an excused kind (refusals after a TERM) can be thousands.
+    ordered = sorted(tally.samples, key=lambda sample: excused(sample[0], sample[1]))
     cell.samples = [f"+{at - cell.event_at:.3f}s {kind}: {detail}" for at, kind, detail in
-                    tally.samples if not (kind == "refused" and cell.event == "term")][:10]
+                    ordered if not (kind == "refused" and cell.event == "term")][:10]
     exited = cell.__dict__.pop("_exited_at", None)
     if exited is not None and tally.last_ok:
         cell.exit_after_last_response = exited - tally.last_ok
