@@ -166,8 +166,9 @@ class SyncWorker(Worker):
         return refusing_new_connections(listener)
 
     def _pause(self) -> None:
-        """TTOU: serve the clients already queued, then close every listener of ours."""
-        self.pause_requested = False
+        """TTOU: serve the clients already queued, then close every listener of ours. The pause
+        stays requested until then: each of those clients is answered with Connection: close,
+        or a kept-alive one would keep us (and the port) for as long as it sends."""
         while self.state is RUNNING:
             accepted = self._accept()
             if accepted is None:
@@ -176,6 +177,7 @@ class SyncWorker(Worker):
         for listener in self.listeners:
             listener.sock.close()
         self._forget_closed_listeners()
+        self.pause_requested = False
 
     def _forget_closed_listeners(self) -> None:
         """Unregister listeners closed (here or by a signal handler) before polling again: their
@@ -311,9 +313,12 @@ class SyncWorker(Worker):
                 and any(not conn.output_ended and not conn.readable_now() for conn in self.parked))
 
     def _should_close(self) -> bool:
-        """Asked as a response head is written: close rather than keep this client alive?"""
+        """Asked as a response head is written: close rather than keep this client alive? Also
+        while a pause waits for this worker: one kept-alive client would otherwise hold it
+        (and so its copy of the port, and the clients queued at the pause) for as long as it
+        keeps sending."""
         return (self.state is not RUNNING or bool(self.parked) or self.settings.keepalive <= 0
-                or bool(self.waiting_poll.poll(0)))
+                or self.pause_requested or bool(self.waiting_poll.poll(0)))
 
     # -- one connection --------------------------------------------------------------------
     def _handle(self, sock: socket.socket, addr: Any, listener: Listener) -> None:
