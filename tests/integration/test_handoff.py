@@ -211,6 +211,32 @@ def test_ttou_pauses_and_ttin_resumes(server_factory: Any, tmp_path: Path, gates
 
 
 @pytest.mark.parametrize("worker_class", ["sync", "thread", "gevent"])
+def test_pause_and_resume_under_keepalive_load(server_factory: Any, tmp_path: Path,
+                                              worker_class: str) -> None:
+    """TTOU then TTIN while keep-alive clients keep sending: the paused workers let the port go
+    (a sync worker answers its kept-alive client with Connection: close rather than serving it
+    for as long as it sends, which held the port, so the TTIN waited and the clients who
+    reconnected were never served), the server listens again, and no request fails but by
+    being refused while paused."""
+    extra = ["-k", worker_class, *(["--threads", str(THREADS)] if worker_class == "thread" else [])]
+    old = start_old(server_factory, tmp_path, *extra)
+    load = Load(old.port, threads=8, keepalive=True, seconds=60).start()
+    load.wait_requests(50)
+    for n in range(1, 4):
+        old.signal(signal.SIGTTOU)
+        wait_for(lambda: old.count_log("Paused: not listening") >= n, 10, f"pause {n}")
+        old.signal(signal.SIGTTIN)
+        wait_for(lambda: old.count_log("Resumed: listening again") >= n, 10,
+                 f"resume {n}\n{old.log_text()[-3000:]}")
+        load.wait_requests(50)
+    load.stop()
+    assert load.failures_except("refused", 0) == [], load.summary()  # refused: while paused
+    assert errors(old) == [], old.log_text()
+    old.signal(signal.SIGTERM)
+    assert old.wait_exit(10) == 0
+
+
+@pytest.mark.parametrize("worker_class", ["sync", "thread", "gevent"])
 def test_a_resume_that_cannot_boot_retries_instead_of_keeping_the_paused_workers(
         server_factory: Any, tmp_path: Path, worker_class: str) -> None:
     """TTIN reopens the port and boots a new generation; if that generation fails to boot, the
