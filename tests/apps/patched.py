@@ -33,6 +33,8 @@ from urllib.parse import parse_qs
 
 import requests
 
+from tests.apps.basic import wait_gate  # stdlib only, looked up at call time: patched by then
+
 CAPTURED = {
     # (module, attribute): the object as this module saw it at import time
     ("ssl", "SSLContext"): SSLContext,
@@ -54,26 +56,6 @@ def _respond(start_response, data: dict, status: str = "200 OK"):
     start_response(status, [("Content-Type", "application/json"),
                             ("Content-Length", str(len(body)))])
     return [body]
-
-
-def _wait_gate(path: str) -> None:
-    """Until the test opened the FIFO and closed it: a non-blocking open and a (patched,
-    hence cooperative) poll; a blocking open() of a FIFO would freeze the whole worker."""
-    import os
-
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN | select.POLLHUP)
-        while True:
-            poller.poll()
-            try:
-                if not os.read(fd, 4096):
-                    return
-            except BlockingIOError:
-                continue
-    finally:
-        os.close(fd)
 
 
 def app(environ, start_response):
@@ -98,7 +80,7 @@ def app(environ, start_response):
             "ssl_context_module": ssl.SSLContext.__module__,
         })
     if path == "/ident":
-        _wait_gate(q["fifo"])
+        wait_gate(q["fifo"])
         return _respond(start_response, {"ident": threading.get_ident(),
                                          "greenlet": id(getcurrent()),
                                          "thread": threading.current_thread().name})
