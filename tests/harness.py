@@ -206,10 +206,15 @@ class Server:
         os.kill(self.pid, signum)
 
     def wait_exit(self, timeout: float = DEFAULT_TIMEOUT) -> int:
+        """The exit code, once the process exited and its output is read to the end: a
+        loaded machine can run the test before the reader threads took the last lines."""
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"server did not exit within {timeout}s\n{self.log_text()}") from None
+        for reader in self._readers:
+            reader.join(5)  # EOF once the server and its workers are gone
+        return code
 
     def close(self) -> None:
         """Kill the process group. A server that exited by itself must have left no worker."""
