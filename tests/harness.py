@@ -23,16 +23,19 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TIMEOUT = 15.0
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = DEFAULT_TIMEOUT, what: str = "condition",
-             interval: float = 0.02) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
+def wait_for(predicate: Callable[[], Any], timeout: float = DEFAULT_TIMEOUT,
+             what: str | Callable[[], str] = "condition", interval: float = 0.02) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds.
+    ``what`` may be a callable: it is then called at the failure (a server log as it is by
+    then, not as it was when the wait began)."""
     deadline = time.monotonic() + timeout
     while True:
         result = predicate()
         if result:
             return result
         if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout}s waiting for "
+                                 f"{what() if callable(what) else what}")
         time.sleep(interval)
 
 
@@ -155,7 +158,7 @@ class Server:
             return find() or True
 
         result = wait_for(found_or_exited, timeout,
-                          f"log line {message!r} {fields or ''}\n{self.log_text()}")
+                          lambda: f"log line {message!r} {fields or ''}\n{self.log_text()}")
         if result is True:
             raise AssertionError(f"the server exited (code {self.proc.returncode}) without "
                                  f"logging {message!r} {fields or ''}\n{self.log_text()}")
@@ -166,7 +169,7 @@ class Server:
 
     def wait_text(self, text: str, timeout: float = DEFAULT_TIMEOUT) -> str:
         return wait_for(lambda: text in self.log_text() and self.log_text(), timeout,  # type: ignore[no-any-return]
-                        f"{text!r} in the log\n{self.log_text()}")
+                        lambda: f"{text!r} in the log\n{self.log_text()}")
 
     # -- addresses -------------------------------------------------------------------------
     @property

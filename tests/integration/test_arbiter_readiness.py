@@ -43,7 +43,7 @@ def test_readyz_is_200_through_hups_and_usr2s_and_503_at_term(server_factory: An
             before = len(prober.answers)
             server.signal(signal.SIGHUP)
             wait_for(lambda: server.count_log("Reload complete") >= n, 20,
-                     f"reload {n}\n{server.log_text()}")
+                     lambda: f"reload {n}\n{server.log_text()}")
             wait_for(lambda: not set(server.workers()) & old, 20, "the old workers to go")
             wait_for(lambda: len(prober.answers) > before + 2, 10, "probes during the reload")
         hup_probes = len(prober.answers)
@@ -52,7 +52,7 @@ def test_readyz_is_200_through_hups_and_usr2s_and_503_at_term(server_factory: An
             version.write_text(f"v{n + 1}")
             server.signal(signal.SIGUSR2)
             wait_for(lambda: server.count_log("Upgrade complete") >= n, 30,
-                     f"upgrade {n}\n{server.log_text()}")
+                     lambda: f"upgrade {n}\n{server.log_text()}")
             wait_for(lambda: not set(server.workers()) & old, 20, "the old workers to go")
             before = len(prober.answers)
             wait_for(lambda: len(prober.answers) > before + 2, 10, "probes after the upgrade")
@@ -126,7 +126,7 @@ def test_readyz_stays_200_while_max_requests_recycles_every_worker(server_factor
     load = Load(server.port, threads=8, seconds=120).start()
     with Prober(server.status_port) as prober:
         wait_for(lambda: server.count_log("retired") >= 20 and len(prober.answers) >= 100, 60,
-                 f"20 recycled workers and 100 probes\n{server.log_text()[-3000:]}")
+                 lambda: f"20 recycled workers and 100 probes\n{server.log_text()[-3000:]}")
     load.stop()
     recycled = server.count_log("retired")
     print(f"\n[readyz, max-requests, {worker_class}] {len(prober.answers)} probes while "

@@ -50,7 +50,7 @@ def wait_count(server: Server, message: str, count: int, timeout: float = 30.0,
         assert server.proc.poll() is None, \
             f"the arbiter exited (code {server.proc.returncode})\n{server.log_text()}"
         return server.count_log(message) >= count
-    wait_for(reached, timeout, f"{count} x {message!r}\n{server.log_text()}", interval)
+    wait_for(reached, timeout, lambda: f"{count} x {message!r}\n{server.log_text()}", interval)
 
 
 def usr2_then(server: Server, signum: int, execs: int) -> bool:

@@ -143,7 +143,7 @@ class Scenario:
             with urllib.request.urlopen(self.server.status_url + "/status", timeout=5) as r:
                 workers = json.loads(r.read())["workers"]
             return bool(workers) and all(w["state"] == "draining" for w in workers)
-        wait_for(all_draining, timeout, f"every worker to take the stop\n{self.server.log_text()}")
+        wait_for(all_draining, timeout, lambda: f"every worker to take the stop\n{self.server.log_text()}")
 
     def wait_exit(self, timeout: float) -> float:
         """Wait for exit code 0 and the final log line; return seconds from the signal."""
@@ -161,7 +161,7 @@ class Scenario:
             return next((r for r in self.server.records()
                          if message in r.get("message", "") and where(r)), None)
         return wait_for(find, timeout,  # type: ignore[no-any-return]
-                        f"log line {message!r} (with a condition)\n{self.server.log_text()}")
+                        lambda: f"log line {message!r} (with a condition)\n{self.server.log_text()}")
 
     def access_statuses(self) -> dict[str, int]:
         """Status of each request made, from the access log (after the exit). Each request

@@ -227,7 +227,7 @@ def test_pause_and_resume_under_keepalive_load(server_factory: Any, tmp_path: Pa
         wait_for(lambda: old.count_log("Paused: not listening") >= n, 10, f"pause {n}")
         old.signal(signal.SIGTTIN)
         wait_for(lambda: old.count_log("Resumed: listening again") >= n, 10,
-                 f"resume {n}\n{old.log_text()[-3000:]}")
+                 lambda: f"resume {n}\n{old.log_text()[-3000:]}")
         load.wait_requests(50)
     load.stop()
     assert load.failures_except("refused", 0) == [], load.summary()  # refused: while paused

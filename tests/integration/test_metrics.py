@@ -690,7 +690,7 @@ def test_upgrade_check_import_is_not_counted(server_factory: Any, tmp_path: Path
         seen.append(value)
         return (server.count_log("Upgrade complete") == 1 and len(server.workers()) == 2
                 and not set(server.workers()) & old)
-    wait_for(upgraded, 20, f"the upgrade, and the old workers {old} gone\n{server.log_text()}")
+    wait_for(upgraded, 20, lambda: f"the upgrade, and the old workers {old} gone\n{server.log_text()}")
     new = set(server.workers())
     m = wait_metrics(server, lambda m: m.value("app_imports_total") >= 4
                      and m.value("forkserve_reloads_total", outcome="succeeded") == 1,
@@ -730,7 +730,7 @@ def test_upgrade_with_an_unusable_metrics_directory_keeps_serving(server_factory
         server.signal(signal.SIGUSR2)
         wait_for(lambda: server.proc.poll() is not None
                  or any(server.count_log(outcome) for outcome in outcomes), 20,
-                 f"the upgrade's outcome\n{server.log_text()}")
+                 lambda: f"the upgrade's outcome\n{server.log_text()}")
         assert server.proc.poll() is None, f"USR2 took the server down\n{server.log_text()}"
         assert get(server.port, "/pid").status == 200
     server.signal(signal.SIGTERM)

@@ -91,7 +91,7 @@ def usr2s(server: Server, prober: Prober | None, loads: Loads) -> None:
         old = worker_set(server, 2, 20)
         server.signal(signal.SIGUSR2)
         wait_for(lambda: server.count_log("Upgrade complete") >= n, 40,
-                 f"upgrade {n}\n{server.log_text()}")
+                 lambda: f"upgrade {n}\n{server.log_text()}")
         wait_for(lambda: not set(server.workers()) & old, 30, "the old workers to go")
         loads.wait_requests(20)
         if prober is not None:

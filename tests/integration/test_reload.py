@@ -97,7 +97,7 @@ def test_twenty_hups_under_load(server_factory: Any, tmp_path: Path, worker_clas
             mark = time.monotonic()
             server.signal(signal.SIGHUP)
             wait_for(lambda: server.count_log("Reload complete") >= n, 15,
-                     f"reload {n} to complete\n{server.log_text()}")
+                     lambda: f"reload {n} to complete\n{server.log_text()}")
             new = replaced(server, old)
             expected.update((pid, current) for pid in new)
             body = load.wait_body(lambda b: pid_of(b) in new, mark, 10,
@@ -136,7 +136,7 @@ def test_usr2_upgrades_in_place_under_load(server_factory: Any, tmp_path: Path, 
             mark = time.monotonic()
             server.signal(signal.SIGUSR2)
             wait_for(lambda: server.count_log("Upgrade complete") >= n, 20,
-                     f"upgrade {n} to complete\n{server.log_text()}")
+                     lambda: f"upgrade {n} to complete\n{server.log_text()}")
             assert server.proc.poll() is None, "the arbiter's process exited: not an in-place upgrade"
             assert server.count_log("Upgrade: re-executing") == n
             starts = [r for r in server.records() if "Starting forkserve" in r.get("message", "")]

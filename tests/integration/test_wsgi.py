@@ -253,7 +253,7 @@ def test_content_length_mismatch_is_logged(one_worker: Server, route: str) -> No
     def logged() -> bool:
         return any(record.get("level") in ("ERROR", "WARNING") and route in json.dumps(record)
                    for record in one_worker.records())
-    wait_for(logged, 3, f"an error record about {route}\n{one_worker.log_text()}")
+    wait_for(logged, 3, lambda: f"an error record about {route}\n{one_worker.log_text()}")
 
 
 # -- 10. PEP 3333 validation (wsgiref.validate) --------------------------------------------
@@ -287,7 +287,7 @@ def test_wsgiref_validator_finds_nothing(server_factory: type[Server]) -> None:
         assert client.read_response().body == b"x\ny\n"
     # The app writes one line to wsgi.errors for each request to "/": three of them.
     wait_for(lambda: server.log_text().count("validated request") == 3, 5,
-             f"three wsgi.errors lines\n{server.log_text()}")
+             lambda: f"three wsgi.errors lines\n{server.log_text()}")
     bad = [r for r in server.records() if r.get("level") in ("ERROR", "CRITICAL", "WARNING")]
     assert bad == []
     text = server.log_text()
