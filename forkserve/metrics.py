@@ -32,6 +32,8 @@ import tempfile
 import threading
 from typing import Any
 
+from forkserve.handover import Handover
+
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 PREFIX = "forkserve-metrics-"  # + the arbiter's pid: private directories in the temp dir
@@ -65,7 +67,7 @@ def counter_key(name: str, labels: dict[str, str], help_text: str) -> str:
 
 # -- the directory (arbiter side) ---------------------------------------------------------------
 
-def prepare_directory(handover: dict[str, Any] | None, environ: Any = os.environ
+def prepare_directory(handover: Handover | None, environ: Any = os.environ
                       ) -> tuple[str, bool, int, int]:
     """Where the multiprocess files go: (path, owned by us, stale files removed, lock fd).
 
@@ -79,8 +81,8 @@ def prepare_directory(handover: dict[str, Any] | None, environ: Any = os.environ
     prometheus_client reads it when it is first imported.
     """
     removed = 0
-    if handover is not None and handover.get("metrics_dir"):
-        path, owned = handover["metrics_dir"], bool(handover.get("metrics_owned"))
+    if handover is not None and handover.metrics_dir:
+        path, owned = handover.metrics_dir, handover.metrics_owned
         lock = _open_lock(path)
     elif environ.get(ENV):
         path, owned = environ[ENV], False

@@ -75,6 +75,9 @@ class SignalQueue:
             os.write(self.write_fd, data)
 
 
+# What the arbiter handles (blocked across an upgrade's exec: they reach the new image).
+ARBITER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGUSR1,
+                   signal.SIGUSR2, signal.SIGCHLD, signal.SIGTTIN, signal.SIGTTOU)
 ALL = set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}
 
 

@@ -1,0 +1,63 @@
+"""What an operator asks of the running arbiter besides signals: the control socket's
+commands (``forkserve ctl``), and USR1's log reopening."""
+
+from __future__ import annotations
+
+import select
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from forkserve.control import ControlServer
+
+
+@dataclass(kw_only=True)
+class Commands:
+    """The control socket (a mixin of :class:`forkserve.arbiter.Arbiter`)."""
+
+    control: ControlServer | None = None
+
+    # -- the control socket --------------------------------------------------------------------
+    def serve_control(self, ready: list[tuple[int, int]]) -> None:
+        control = self.control
+        assert control is not None
+        for fd, _ in ready:
+            if fd == control.fileno():
+                for client in control.accept():
+                    self.poller.register(client, select.POLLIN)
+            elif fd in control.clients and control.readable(fd):
+                self.poller.unregister(fd)
+        for fd in control.expired(time.monotonic()):
+            self.poller.unregister(fd)
+            control.drop(fd)
+
+    def command(self, name: str, arg: str) -> tuple[dict[str, Any], list[int]]:
+        """One control-socket command; the answer and any fds to send with it."""
+        simple = {"reload": self.reload, "upgrade": self.upgrade, "stop": self.stop,
+                  "pause": self.pause, "resume": self.resume}
+        if name in simple:
+            simple[name]()
+            return {"ok": True, "state": self.state.value}, []
+        if name == "status":
+            self.refresh_counters()
+            return self.status(), []
+        if name == "scale":
+            try:
+                count = int(arg)
+            except ValueError:
+                return {"ok": False, "error": "scale needs a whole number of workers"}, []
+            if count < 1:
+                return {"ok": False, "error": "scale needs at least 1 worker"}, []
+            self.config.values["workers"] = count
+            self.log.info("Scaling workers", workers=count)
+            self.spawn_missing(time.monotonic())
+            return {"ok": True, "workers": count}, []
+        if name == "listeners":
+            return self.hand_listeners()
+        return {"ok": False, "error": f"unknown command {name!r}"}, []
+
+    def reopen_logs(self) -> None:
+        self.log.reopen()
+        self.log.info("Reopened log files")
+        self.signal_workers(signal.SIGUSR1, list(self.workers.values()))

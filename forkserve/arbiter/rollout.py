@@ -1,0 +1,176 @@
+"""Generations: boot a new one, retire the old once it has booted, or roll back — shared by
+HUP (reload), TTIN (resume) and the post-exec half of USR2 (upgrade), and the first boot.
+
+# -- machine: a rollout ------------------------------------------------------------------------
+    idle ──HUP / resume / exec'd──▶ booting new ──all booted──▶ idle (the old generation retires)
+                                     │ a new worker fails to boot
+                                     ├─ old workers serve ──▶ idle: roll back to them (config too)
+                                     └─ none serve (resume) ──▶ retry with backoff
+    A HUP or USR2 asked for meanwhile is coalesced into one, carried out once idle.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+from forkserve.config import Config, ConfigError, reloadable_changes, resolve
+from forkserve.lifecycle import Event, State
+from forkserve.workers import worker_class
+from forkserve.workers.base import WorkerSettings
+from forkserve.arbiter.workers import MAX_RESPAWN_DELAY, WorkerHandle
+
+
+@dataclass(kw_only=True)
+class Rollout:
+    """Reloads and generations (a mixin of :class:`forkserve.arbiter.Arbiter`)."""
+
+    generation: int = 1
+    reload_generation: int | None = None  # a HUP's generation still booting
+    # A reload or upgrade asked for while another was in progress: carried out once it is
+    # over (any number of requests coalesce into one), dropped only if the server stops.
+    reload_wanted: bool = False
+    upgrade_wanted: bool = False
+    previous: tuple[Config, WorkerSettings, type] | None = None  # what a failed reload restores
+
+    def reloading(self) -> bool:
+        """A reload or an upgrade is in progress: a new generation booting, an upgrade's check
+        running, or the new image booting while the old image's workers serve."""
+        return (self.reload_generation is not None or self.upgrade_check is not None
+                or self.upgrading_from is not None)
+
+    def reload(self) -> None:
+        if self.state not in (State.BOOTING, State.RUNNING):
+            self.log.warning("Reload ignored: the server is stopping", state=self.state.value)
+            return
+        if self.state is State.BOOTING or self.reloading():
+            # Remembered, not dropped (a second `systemctl reload` during a deploy): carried
+            # out when this one is over; any number of them coalesce into one.
+            self.reload_wanted = True
+            self.log.info("Reload requested during another reload or upgrade; coalesced, it "
+                          "follows once that one completes", state=self.state.value)
+            return
+        try:
+            new = resolve(self.cli_args, os.environ)
+        except ConfigError as exc:
+            self.log.error("Reload failed, keeping the current configuration", error=str(exc))
+            self.count_reload("failed")
+            return
+        fixed = list(reloadable_changes(self.config, new))
+        if fixed:
+            self.log.warning("These settings need a restart to change; kept as they were",
+                             settings=",".join(fixed))
+            for name in fixed:
+                new.values[name] = self.config.values[name]
+        if self.app is not None:
+            self.log.warning("With --preload, HUP restarts workers but not the application code")
+        self.previous = (self.config, self.settings, self.worker_cls)
+        self.config = new
+        self.log.configure(new.log_level, new.log_format)
+        self.settings = WorkerSettings(new)
+        self.worker_cls = worker_class(new.worker_class)
+        self.notify("reloading")
+        self.start_generation("Reloading")
+
+    def carry_out_wanted(self) -> None:
+        """A coalesced reload or upgrade, once nothing else is in progress. An upgrade also
+        re-reads the configuration and starts a new generation: it answers a reload asked for
+        before it started as well."""
+        if self.state is not State.RUNNING or self.reloading() or self.paused:
+            return
+        if self.upgrade_wanted:
+            self.upgrade_wanted = self.reload_wanted = False
+            self.upgrade()
+        elif self.reload_wanted:
+            self.reload_wanted = False
+            self.reload()
+
+    def start_generation(self, why: str) -> None:
+        """Boot a new generation of workers; the old one is retired once it has booted."""
+        self.generation += 1
+        self.reload_generation = self.generation
+        self.log.info(f"{why}: starting a new generation of workers", generation=self.generation,
+                      workers=self.config.worker_count)
+        self.spawn_missing(time.monotonic())
+
+    def check_booted(self) -> None:
+        generation = self.current()
+        if len(generation) < self.config.worker_count or not all(h.booted for h in generation):
+            return
+        if self.state is State.BOOTING:
+            self.transition(Event.BOOTED, "Server ready", generation=self.generation)
+            self.notify("ready")
+            if self.status_server is not None and not self.status_server.accepting:
+                # A successor: we can answer ready now; the instances we replace answered
+                # meanwhile (they leave the port at the stop we send them next).
+                self.status_server.start_accepting()
+                address = self.status_server.sock.getsockname()
+                self.log.info("Status server listening",
+                              status_bind=f"{address[0]}:{address[1]}")
+            if self.upgrading_from is not None:
+                old = [h for h in self.workers.values() if h.generation <= self.upgrading_from]
+                self.log.info("Upgrade complete: stopping the old workers", old_workers=len(old),
+                              generation=self.generation)
+                self.count_reload("succeeded")
+                self.upgrading_from = None
+                self.retire(old)
+            self.stop_predecessors()
+        elif self.reload_generation == self.generation:
+            self.reload_generation = None
+            old = [h for h in self.workers.values() if h.generation < self.generation]
+            self.log.info("Reload complete: new workers booted, stopping the old ones",
+                          generation=self.generation, old_workers=len(old))
+            self.count_reload("succeeded")
+            self.retire(old)
+            self.notify("ready")
+
+    def on_boot_failure(self, handle: WorkerHandle, status: int) -> None:
+        """A worker gone before it booted: roll back (an upgrade's or a reload's new
+        generation, while older workers serve), give up (the first boot), or retry."""
+        reason, code = handle.boot_failure(status)
+        if handle.stopping or self.state not in (State.BOOTING, State.RUNNING):
+            return  # stopped on purpose before it was ready
+        if self.state is State.BOOTING and self.upgrading_from is not None:
+            # The new image passed its check but its workers do not boot: the old workers,
+            # handed over, still serve. Keep them; do not take the service down.
+            failed = [h for h in self.workers.values() if h.generation == self.generation]
+            self.signal_workers(signal.SIGQUIT, failed)
+            self.generation = self.upgrading_from
+            self.upgrading_from = None
+            self.log.error(f"Upgrade failed after exec, the old workers keep serving: {reason}")
+            self.count_reload("failed")
+            self.transition(Event.BOOTED, "Server ready", generation=self.generation)
+            return
+        if self.state is State.BOOTING:
+            # Never a fork loop: the first generation cannot boot, so nothing can serve.
+            self.exit_code = code
+            self.transition(Event.BOOT_FAILED, f"Application failed to boot: {reason}", level="error")
+            self.halt_workers()
+            return
+        old_serve = any(h.generation < handle.generation and not h.stopping and not h.deaf
+                        for h in self.workers.values())
+        if self.reload_generation == handle.generation and old_serve:
+            self.reload_generation = None
+            failed = [h for h in self.workers.values() if h.generation == handle.generation]
+            self.signal_workers(signal.SIGQUIT, failed)
+            self.generation = max((h.generation for h in self.workers.values()
+                                   if h.generation < handle.generation), default=self.generation)
+            # Back to the configuration the old workers run, so that replacing one of them
+            # does not start the broken app.
+            if self.previous is not None:
+                self.config, self.settings, self.worker_cls = self.previous
+            self.log.configure(self.config.log_level, self.config.log_format)
+            self.log.error(f"Reload failed, the old workers keep serving: {reason}")
+            self.count_reload("failed")
+            return
+        # A replacement failed while the rest serve, or a resume's generation failed while the
+        # paused workers it replaces can serve nobody new: retry, slower and slower (no fork
+        # loop); the paused workers are retired once a new generation has booted.
+        self.boot_failures += 1
+        delay = min(0.5 * 2 ** (self.boot_failures - 1), MAX_RESPAWN_DELAY)
+        self.respawn_after = time.monotonic() + delay
+        self.count_restart("boot_failed")
+        self.log.error(f"{handle.describe()} failed to boot: {reason}; retrying in {delay:g}s",
+                       worker=handle.worker_id, pid=handle.pid, reason=reason)
