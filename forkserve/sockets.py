@@ -332,6 +332,25 @@ def other_listeners(sock: socket.socket) -> int:
     return sum(1 for h, p, i in listeners if (h, p) == (host, port) and i != inode)
 
 
+def still_listening(inodes: list[int]) -> bool:
+    """Is one of these TCP sockets still listening in the kernel, whoever holds it? A
+    process's close of its last descriptor leaves /proc a moment before the kernel closes the
+    socket (on a loaded machine, that moment can be a scheduling slice): meanwhile no process
+    holds it, and its port is still taken."""
+    wanted = set(inodes)
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            listeners = _listeners_by_diag(family)
+        except OSError:
+            try:
+                listeners = _listeners_by_proc(family)
+            except OSError:
+                continue
+        if any(inode in wanted for _, _, inode in listeners):
+            return True
+    return False
+
+
 SO_ATTACH_REUSEPORT_CBPF = getattr(socket, "SO_ATTACH_REUSEPORT_CBPF", 51)
 
 

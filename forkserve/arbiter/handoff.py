@@ -23,10 +23,12 @@ from typing import Any, Iterator
 from forkserve import signals as sigs
 from forkserve.lifecycle import State
 from forkserve.sockets import (BindError, bind, holds_inode, holds_socket, other_listeners,
-                               refuse_new_connections, socket_inode, steer_new_connections_here)
+                               refuse_new_connections, socket_inode, steer_new_connections_here,
+                               still_listening)
 from forkserve.status import bind_status
 
 RESUME_RETRY = 0.02  # seconds between binds while a TTIN waits for our paused workers' port
+RELEASE_GRACE = 0.5  # seconds of binds still failing once they let it go, before giving up
 
 
 @dataclass(kw_only=True)
@@ -41,6 +43,7 @@ class Handoff:
     # queued at the pause): tried again at resume_retry_at, until resume_until.
     resume_retry_at: float | None = None
     resume_until: float = 0.0
+    released_at: float | None = None  # when the paused workers were first seen to let it go
     # A successor's status listener (-sf with --takeover or --reuse-port): held, not answered
     # on, until our workers are booted; the instance we replace answers ready meanwhile.
     status_deferred: bool = False
@@ -162,16 +165,25 @@ class Handoff:
         queued at the pause before they close their copies (a TTIN soon after a TTOU, a sync
         worker in a long request)? Then try again shortly, bounded by the drain timeout; a port
         held by anyone else fails the resume at once."""
-        held = any(holds_inode(pid, inode) for pid in self.workers for inode in self.paused_inodes)
+        held = any(holds_inode(pid, inode) for pid in self.workers
+                   for inode in self.paused_inodes) or still_listening(self.paused_inodes)
         if self.resume_retry_at is None:
             if not held:
                 return False
             self.resume_until = now + self.config.drain_timeout
+            self.released_at = None
             self.log.info("Resume: the paused workers still hold the port while they serve what "
                           "was queued; listening again once they have let it go")
-        elif not held or now >= self.resume_until:
+        elif now >= self.resume_until:
             self.resume_retry_at = None
             return False
+        elif not held:
+            # They let it go, and the port is still taken: by someone else, or by a close
+            # the kernel has not finished. A few more tries tell the two apart.
+            self.released_at = now if self.released_at is None else self.released_at
+            if now - self.released_at >= RELEASE_GRACE:
+                self.resume_retry_at = None
+                return False
         self.resume_retry_at = now + RESUME_RETRY
         return True
 

@@ -281,18 +281,21 @@ def test_ttin_soon_after_ttou_waits_for_the_paused_workers(server_factory: Any, 
         held.append(send_get(port, gate.route))
         gate.wait_entered()
     queued = [send_get(port, "/") for _ in range(3)]  # connected: in the accept queue or served
-    old.signal(signal.SIGTTOU)
-    old.wait_log("Paused: not listening")
-    old.signal(signal.SIGTTIN)
-    if worker_class == "sync":  # its workers hold the port until the gates open
-        old.wait_log("Resume: the paused workers still hold the port")
-        assert old.count_log("Resumed: listening again") == 0
-    for gate in held_gates:
-        gate.release()
-    old.wait_log("Resumed: listening again", 15)
-    for sock in held + queued:
-        with sock:
+    try:
+        old.signal(signal.SIGTTOU)
+        old.wait_log("Paused: not listening")
+        old.signal(signal.SIGTTIN)
+        if worker_class == "sync":  # its workers hold the port until the gates open
+            old.wait_log("Resume: the paused workers still hold the port")
+            assert old.count_log("Resumed: listening again") == 0
+        for gate in held_gates:
+            gate.release()
+        old.wait_log("Resumed: listening again", 15)
+        for sock in held + queued:
             assert read_response(sock).status == 200
+    finally:
+        for sock in held + queued:
+            sock.close()  # (a failure must not leave them to a later test's garbage collector)
     # Resuming starts a new generation of workers; the paused ones are retired once it serves.
     after = new_generation(old, before)
     response = get(port, "/")
