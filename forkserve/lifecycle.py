@@ -1,8 +1,10 @@
-"""The arbiter's life-cycle states and the table of allowed transitions.
+"""The arbiter's state machines, each a table of allowed transitions.
 
-Owns: the ``State`` and ``Event`` enums and ``TRANSITIONS``. Pure code: no os, no sockets, no
-clocks. The arbiter asks :func:`next_state` and applies the answer; an event that the table does
-not list for a state is a bug and raises, so no transition happens by accident (the h11 way).
+Owns: the server's life cycle (``State``, ``Event``, ``TRANSITIONS``), a rollout of a new
+generation (``Rollout``, ``Step``, ``ROLLOUT``) and the pause protocol (``Pause``, ``Cue``,
+``PAUSE``). Pure code: no os, no sockets, no clocks. The arbiter asks ``next_*`` and applies
+the answer; a change that a table does not list is a bug and raises, so no transition
+happens by accident (the h11 way).
 """
 
 from __future__ import annotations
@@ -70,3 +72,92 @@ def next_state(state: State, event: Event) -> State:
 
 def accepts(state: State, event: Event) -> bool:
     return (state, event) in TRANSITIONS
+
+
+# -- machine: a rollout (a new generation replacing the one serving) ----------------------------
+# At most one at a time. A reload or upgrade asked for while one is in progress (or while the
+# first generation boots) is not dropped: the table keeps the state, the arbiter remembers
+# the request and carries it out once the rollout is IDLE again.
+
+class Rollout(enum.Enum):
+    IDLE = "idle"  # one generation serves
+    RELOADING = "reloading"  # a new generation boots (HUP, or TTIN's resume); the old serves
+    CHECKING = "checking"  # USR2: the new code and configuration are checked in a child
+    ADOPTING = "adopting"  # after the exec: our generation boots, the old image's serves
+
+
+class Step(enum.Enum):
+    RELOAD = "reload requested"  # HUP, `ctl reload`
+    RESUME = "resume: new listeners"  # TTIN: a new generation gets the new sockets
+    UPGRADE = "upgrade requested"  # USR2, `ctl upgrade`
+    CHECK_FAILED = "the upgrade's check failed"
+    EXEC_FAILED = "the upgrade's exec failed"  # (a passed check otherwise leaves this image)
+    ABANDONED = "the upgrade is called off"  # the server stops or pauses
+    BOOTED = "the new generation booted"  # the old one retires
+    ROLLED_BACK = "the new generation failed to boot; the old one keeps serving"
+
+
+R, T = Rollout, Step
+
+ROLLOUT: dict[tuple[Rollout, Step], Rollout] = {
+    (R.IDLE, T.RELOAD): R.RELOADING,
+    (R.IDLE, T.RESUME): R.RELOADING,
+    (R.IDLE, T.UPGRADE): R.CHECKING,
+    (R.RELOADING, T.RELOAD): R.RELOADING,  # coalesced
+    (R.RELOADING, T.UPGRADE): R.RELOADING,  # coalesced
+    (R.RELOADING, T.RESUME): R.RELOADING,  # paused and resumed again: a newer generation
+    (R.RELOADING, T.BOOTED): R.IDLE,
+    (R.RELOADING, T.ROLLED_BACK): R.IDLE,
+    (R.CHECKING, T.RELOAD): R.CHECKING,  # coalesced
+    (R.CHECKING, T.UPGRADE): R.CHECKING,  # coalesced
+    (R.CHECKING, T.CHECK_FAILED): R.IDLE,
+    (R.CHECKING, T.EXEC_FAILED): R.IDLE,
+    (R.CHECKING, T.ABANDONED): R.IDLE,  # stopping, or paused (a successor takes the port)
+    (R.ADOPTING, T.RELOAD): R.ADOPTING,  # coalesced
+    (R.ADOPTING, T.UPGRADE): R.ADOPTING,  # coalesced
+    (R.ADOPTING, T.BOOTED): R.IDLE,
+    (R.ADOPTING, T.ROLLED_BACK): R.IDLE,
+}
+
+
+def next_rollout(state: Rollout, step: Step) -> Rollout:
+    try:
+        return ROLLOUT[(state, step)]
+    except KeyError:
+        raise InvalidTransition(f"no rollout step from {state.value} on {step.value}") from None
+
+
+# -- machine: pause (TTOU / TTIN, HAProxy's handoff protocol) -------------------------------------
+
+class Pause(enum.Enum):
+    LISTENING = "listening"
+    PAUSED = "paused"  # TTOU: our listeners closed; the workers serve what was queued
+    RESUMING = "resuming"  # TTIN while our own paused workers still hold the port: retrying
+
+
+class Cue(enum.Enum):
+    PAUSE = "TTOU"
+    BOUND = "TTIN: the port is ours again"
+    PORT_HELD = "TTIN: our paused workers still hold the port"
+    GAVE_UP = "the port stayed taken"
+
+
+P, C = Pause, Cue
+
+PAUSE: dict[tuple[Pause, Cue], Pause] = {
+    (P.LISTENING, C.PAUSE): P.PAUSED,
+    (P.PAUSED, C.BOUND): P.LISTENING,
+    (P.PAUSED, C.PORT_HELD): P.RESUMING,
+    (P.PAUSED, C.GAVE_UP): P.PAUSED,  # someone else holds it: still paused, logged
+    (P.RESUMING, C.BOUND): P.LISTENING,
+    (P.RESUMING, C.PORT_HELD): P.RESUMING,
+    (P.RESUMING, C.PAUSE): P.PAUSED,  # the last word is TTOU's: stay paused
+    (P.RESUMING, C.GAVE_UP): P.PAUSED,
+}
+
+
+def next_pause(state: Pause, cue: Cue) -> Pause:
+    try:
+        return PAUSE[(state, cue)]
+    except KeyError:
+        raise InvalidTransition(f"no pause change from {state.value} on {cue.value}") from None

@@ -44,7 +44,7 @@ from forkserve.arbiter.commands import Commands
 from forkserve.arbiter.drain import Drain
 from forkserve.arbiter.handoff import Handoff
 from forkserve.arbiter.observe import Observe
-from forkserve.arbiter.rollout import Rollout
+from forkserve.arbiter.rollout import Generations
 from forkserve.arbiter.upgrade import Upgrade
 from forkserve.arbiter.workers import WorkerHandle, WorkerTable
 
@@ -57,7 +57,7 @@ LIVE_LINE_WAIT = 0.5
 
 
 @dataclass
-class Arbiter(WorkerTable, Drain, Rollout, Upgrade, Handoff, Observe, Commands):
+class Arbiter(WorkerTable, Drain, Generations, Upgrade, Handoff, Observe, Commands):
     config: Config
     cli_args: dict[str, Any]
     listeners: list[Listener]

@@ -4,12 +4,13 @@ ours to a successor started with ``--takeover``), leaving a shared status port a
 and TTOU/TTIN (HAProxy's pause protocol: a successor that could not bind asks us to let go
 of the port, and to take it back if it fails).
 
-# -- machine: pause --------------------------------------------------------------------------
+# -- machine: pause (its table: lifecycle.PAUSE) ----------------------------------------------
     listening ──TTOU──▶ paused ──TTIN, bind ok──▶ listening (a new generation gets the sockets)
                           │ TTIN, port still held by our own paused workers
                           ▼
                         resuming (bind retried every RESUME_RETRY, until the drain timeout)
                           ──bind ok──▶ listening;  ──TTOU──▶ paused;  ──given up──▶ paused
+    A TTOU during an upgrade's check calls the upgrade off (a successor takes the ports).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from forkserve import signals as sigs
-from forkserve.lifecycle import State
+from forkserve.lifecycle import Cue, Pause, State, Step, next_pause
 from forkserve.sockets import (BindError, bind, holds_inode, holds_socket, other_listeners,
                                refuse_new_connections, socket_inode, steer_new_connections_here,
                                still_listening)
@@ -35,7 +36,7 @@ RELEASE_GRACE = 0.5  # seconds of binds still failing once they let it go, befor
 class Handoff:
     """Ports handed over and taken back (a mixin of :class:`forkserve.arbiter.Arbiter`)."""
 
-    paused: bool = False
+    pause_state: Pause = Pause.LISTENING
     paused_addresses: list[str] = field(default_factory=list)
     paused_status: str = ""  # the status server's address while paused (TTOU)
     paused_inodes: list[int] = field(default_factory=list)  # the listeners we closed at TTOU
@@ -112,15 +113,24 @@ class Handoff:
                       status_bind=f"{address[0]}:{address[1]}",
                       how="shared listener" if shared else "SO_REUSEPORT")
 
+    @property
+    def paused(self) -> bool:
+        return self.pause_state is not Pause.LISTENING
+
+    def cue(self, cue: Cue) -> None:
+        self.pause_state = next_pause(self.pause_state, cue)
+
     # -- pause and resume (TTOU / TTIN): HAProxy's handoff protocol ------------------------------
     def pause(self) -> None:
-        if self.paused and self.resume_retry_at is not None:
-            self.resume_retry_at = None  # the last word is TTOU's: stay paused
+        if self.pause_state is Pause.RESUMING:
+            self.cue(Cue.PAUSE)  # the last word is TTOU's: stay paused
+            self.resume_retry_at = None
             self.log.info("Paused: the resume that was waiting for the port is called off")
             return
         if self.state is not State.RUNNING or self.paused:
             return
-        self.paused = True
+        self.call_off_upgrade("the server is paused (a successor takes its ports)")
+        self.cue(Cue.PAUSE)
         self.paused_addresses = [l.name() for l in self.listeners]
         self.paused_inodes = [socket_inode(l.sock) for l in self.listeners if l.sock.fileno() >= 0]
         for listener in self.listeners:
@@ -139,16 +149,21 @@ class Handoff:
 
     def resume(self) -> None:
         if not self.paused or self.state is not State.RUNNING:
+            if self.pause_state is Pause.RESUMING:
+                self.cue(Cue.GAVE_UP)  # the server is stopping: it stays paused
             self.resume_retry_at = None
             return
         try:
             self.listeners = bind(self.paused_addresses, self.config.backlog, self.config.reuse_port)
         except BindError as exc:
-            if not self.resume_waits(time.monotonic()):
+            if self.resume_waits(time.monotonic()):
+                self.cue(Cue.PORT_HELD)
+            else:
+                self.cue(Cue.GAVE_UP)
                 self.log.error(f"Resume failed, still paused: {exc}")
             return
         self.resume_retry_at = None
-        self.paused = False
+        self.cue(Cue.BOUND)
         if self.status_server is not None and self.paused_status:
             try:
                 self.status_server.listen(bind_status(self.paused_status, self.config.reuse_port))
@@ -158,6 +173,7 @@ class Handoff:
             self.paused_status = ""
         self.log.info("Resumed: listening again", listening=",".join(l.name() for l in self.listeners))
         # The workers closed their listeners; a new generation gets the new ones.
+        self.step(Step.RESUME)
         self.start_generation("Resume")
 
     def resume_waits(self, now: float) -> bool:

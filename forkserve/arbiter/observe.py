@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from forkserve import __version__
-from forkserve.lifecycle import State
+from forkserve.lifecycle import Rollout, State
 from forkserve.metrics import RELOADS_HELP, RESTARTS_HELP
 from forkserve.status import ArbiterCollector, Answer, StatusServer, rss_bytes
 from forkserve.systemd import status_line
@@ -97,7 +97,7 @@ class Observe:
         no worker that serves and none about to (boots failing, or slower than
         READY_THROUGH_BOOT), does."""
         serving = self.state is State.RUNNING or (self.state is State.BOOTING
-                                                   and self.upgrading_from is not None)
+                                                   and self.rollout is Rollout.ADOPTING)
         if not serving or self.paused:
             return False
         if any(h.booted and not h.stopping and not h.deaf for h in self.workers.values()):

@@ -1,11 +1,13 @@
 """Generations: boot a new one, retire the old once it has booted, or roll back — shared by
 HUP (reload), TTIN (resume) and the post-exec half of USR2 (upgrade), and the first boot.
 
-# -- machine: a rollout ------------------------------------------------------------------------
-    idle ──HUP / resume / exec'd──▶ booting new ──all booted──▶ idle (the old generation retires)
-                                     │ a new worker fails to boot
-                                     ├─ old workers serve ──▶ idle: roll back to them (config too)
-                                     └─ none serve (resume) ──▶ retry with backoff
+# -- machine: a rollout (its table: lifecycle.ROLLOUT) -----------------------------------------
+    idle ──HUP / TTIN──▶ reloading ──BOOTED──▶ idle (the old generation retires)
+    idle ──USR2──▶ checking (upgrade.py) ──▶ exec ──▶ the new image starts in adopting
+    adopting ──BOOTED──▶ idle (the old image's workers retire)
+    reloading / adopting ──a new worker fails to boot──▶
+        old workers serve: ROLLED_BACK, idle (back to their configuration too)
+        none serve (a resume's generation): retried with backoff, still reloading
     A HUP or USR2 asked for meanwhile is coalesced into one, carried out once idle.
 """
 
@@ -17,18 +19,18 @@ import time
 from dataclasses import dataclass
 
 from forkserve.config import Config, ConfigError, reloadable_changes, resolve
-from forkserve.lifecycle import Event, State
+from forkserve.lifecycle import Event, Rollout, State, Step, next_rollout
 from forkserve.workers import worker_class
 from forkserve.workers.base import WorkerSettings
 from forkserve.arbiter.workers import MAX_RESPAWN_DELAY, WorkerHandle
 
 
 @dataclass(kw_only=True)
-class Rollout:
+class Generations:
     """Reloads and generations (a mixin of :class:`forkserve.arbiter.Arbiter`)."""
 
-    generation: int = 1
-    reload_generation: int | None = None  # a HUP's generation still booting
+    generation: int = 1  # the newest: the one spawned, booting or serving
+    rollout: Rollout = Rollout.IDLE
     # A reload or upgrade asked for while another was in progress: carried out once it is
     # over (any number of requests coalesce into one), dropped only if the server stops.
     reload_wanted: bool = False
@@ -38,8 +40,10 @@ class Rollout:
     def reloading(self) -> bool:
         """A reload or an upgrade is in progress: a new generation booting, an upgrade's check
         running, or the new image booting while the old image's workers serve."""
-        return (self.reload_generation is not None or self.upgrade_check is not None
-                or self.upgrading_from is not None)
+        return self.rollout is not Rollout.IDLE
+
+    def step(self, step: Step) -> None:
+        self.rollout = next_rollout(self.rollout, step)
 
     def reload(self) -> None:
         if self.state not in (State.BOOTING, State.RUNNING):
@@ -48,6 +52,8 @@ class Rollout:
         if self.state is State.BOOTING or self.reloading():
             # Remembered, not dropped (a second `systemctl reload` during a deploy): carried
             # out when this one is over; any number of them coalesce into one.
+            if self.reloading():
+                self.step(Step.RELOAD)  # the table's word: it stays as it is
             self.reload_wanted = True
             self.log.info("Reload requested during another reload or upgrade; coalesced, it "
                           "follows once that one completes", state=self.state.value)
@@ -72,13 +78,15 @@ class Rollout:
         self.settings = WorkerSettings(new)
         self.worker_cls = worker_class(new.worker_class)
         self.notify("reloading")
+        self.step(Step.RELOAD)
         self.start_generation("Reloading")
 
     def carry_out_wanted(self) -> None:
         """A coalesced reload or upgrade, once nothing else is in progress. An upgrade also
         re-reads the configuration and starts a new generation: it answers a reload asked for
         before it started as well."""
-        if self.state is not State.RUNNING or self.reloading() or self.paused:
+        if self.state is not State.RUNNING or self.reloading() or self.paused \
+                or self.upgrade_check is not None:  # (an abandoned check still running)
             return
         if self.upgrade_wanted:
             self.upgrade_wanted = self.reload_wanted = False
@@ -90,7 +98,6 @@ class Rollout:
     def start_generation(self, why: str) -> None:
         """Boot a new generation of workers; the old one is retired once it has booted."""
         self.generation += 1
-        self.reload_generation = self.generation
         self.log.info(f"{why}: starting a new generation of workers", generation=self.generation,
                       workers=self.config.worker_count)
         self.spawn_missing(time.monotonic())
@@ -109,7 +116,9 @@ class Rollout:
                 address = self.status_server.sock.getsockname()
                 self.log.info("Status server listening",
                               status_bind=f"{address[0]}:{address[1]}")
-            if self.upgrading_from is not None:
+            if self.rollout is Rollout.ADOPTING:
+                assert self.upgrading_from is not None
+                self.step(Step.BOOTED)
                 old = [h for h in self.workers.values() if h.generation <= self.upgrading_from]
                 self.log.info("Upgrade complete: stopping the old workers", old_workers=len(old),
                               generation=self.generation)
@@ -117,8 +126,8 @@ class Rollout:
                 self.upgrading_from = None
                 self.retire(old)
             self.stop_predecessors()
-        elif self.reload_generation == self.generation:
-            self.reload_generation = None
+        elif self.rollout is Rollout.RELOADING:
+            self.step(Step.BOOTED)
             old = [h for h in self.workers.values() if h.generation < self.generation]
             self.log.info("Reload complete: new workers booted, stopping the old ones",
                           generation=self.generation, old_workers=len(old))
@@ -132,9 +141,11 @@ class Rollout:
         reason, code = handle.boot_failure(status)
         if handle.stopping or self.state not in (State.BOOTING, State.RUNNING):
             return  # stopped on purpose before it was ready
-        if self.state is State.BOOTING and self.upgrading_from is not None:
+        if self.state is State.BOOTING and self.rollout is Rollout.ADOPTING:
             # The new image passed its check but its workers do not boot: the old workers,
             # handed over, still serve. Keep them; do not take the service down.
+            assert self.upgrading_from is not None
+            self.step(Step.ROLLED_BACK)
             failed = [h for h in self.workers.values() if h.generation == self.generation]
             self.signal_workers(signal.SIGQUIT, failed)
             self.generation = self.upgrading_from
@@ -151,8 +162,8 @@ class Rollout:
             return
         old_serve = any(h.generation < handle.generation and not h.stopping and not h.deaf
                         for h in self.workers.values())
-        if self.reload_generation == handle.generation and old_serve:
-            self.reload_generation = None
+        if self.rollout is Rollout.RELOADING and handle.generation == self.generation and old_serve:
+            self.step(Step.ROLLED_BACK)
             failed = [h for h in self.workers.values() if h.generation == handle.generation]
             self.signal_workers(signal.SIGQUIT, failed)
             self.generation = max((h.generation for h in self.workers.values()

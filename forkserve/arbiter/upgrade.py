@@ -27,7 +27,7 @@ from forkserve.signals import ARBITER_SIGNALS
 from forkserve.control import ControlServer
 from forkserve.counters import ExitCode
 from forkserve.handover import HandedListener, HandedWorker, Handover
-from forkserve.lifecycle import State
+from forkserve.lifecycle import Rollout, State, Step
 from forkserve.metrics import ENV as METRICS_ENV
 from forkserve.status import OPENMETRICS_PATH, RETRY_AFTER, Answer, run_stand_in
 from forkserve.arbiter.observe import json_answer
@@ -59,7 +59,9 @@ class Upgrade:
             # Paused means a successor is taking over our ports (TTOU): nothing to upgrade.
             self.log.warning("Upgrade ignored: the server is paused", state=self.state.value)
             return
-        if self.state is State.BOOTING or self.reloading():
+        if self.state is State.BOOTING or self.reloading() or self.upgrade_check is not None:
+            if self.reloading():
+                self.step(Step.UPGRADE)  # the table's word: it stays as it is
             self.upgrade_wanted = True
             self.log.info("Upgrade requested during another reload or upgrade; coalesced, it "
                           "follows once that one completes", state=self.state.value)
@@ -74,6 +76,7 @@ class Upgrade:
                                f"usable: {exc}")
                 self.count_reload("failed")
                 return
+        self.step(Step.UPGRADE)
         self.upgrade_check = subprocess.Popen(
             [sys.executable, "-m", "forkserve", "--check", *self.argv], cwd=self.cwd or None,
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -87,15 +90,29 @@ class Upgrade:
         error = check.stderr.read().decode("utf-8", "replace").strip() if check.stderr else ""
         if check.stderr is not None:
             check.stderr.close()
+        if self.rollout is not Rollout.CHECKING:
+            return  # called off while it ran (paused): already logged
         if check.returncode != 0:
             reason = error.splitlines()[-1] if error else f"the check exited {check.returncode}"
+            self.step(Step.CHECK_FAILED)
             self.log.error(f"Upgrade aborted, still serving: {reason}")
             self.count_reload("failed")
             return
         if self.state is not State.RUNNING:
+            self.step(Step.ABANDONED)
             self.log.warning("Upgrade abandoned: the server is stopping")
             return
         self.exec_upgrade()
+
+    def call_off_upgrade(self, why: str) -> None:
+        """An upgrade's check is running and the upgrade can no longer happen (paused: a
+        successor takes the ports): stop the check; its exit is reaped as usual."""
+        if self.rollout is not Rollout.CHECKING:
+            return
+        self.step(Step.ABANDONED)
+        self.log.warning(f"Upgrade abandoned: {why}")
+        if self.upgrade_check is not None:
+            self.upgrade_check.kill()
 
     def handover(self) -> Handover:
         """What the new image needs (the status listener and stand-in are added by the exec)."""
@@ -148,6 +165,7 @@ class Upgrade:
                 os.chdir(self.cwd)
             os.execve(sys.executable, [sys.executable, "-m", "forkserve", *self.argv], env)
         except OSError as exc:
+            self.step(Step.EXEC_FAILED)
             self.log.error(f"Upgrade failed, still serving: cannot exec: {exc.strerror}")
             self.count_reload("failed")
             self.stop_stand_in()  # we answer again from the next poll on; the loop reaps it
@@ -170,6 +188,8 @@ class Upgrade:
                                                stopping=w.stopping, draining=w.draining)
         self.generation = generation + 1
         self.upgrading_from = generation
+        # A new process: its rollout starts here, not by a step from idle.
+        self.rollout = Rollout.ADOPTING
 
     def stand_in_answers(self) -> dict[str, Answer]:
         """What the stand-in answers, by path: the old image's view at the exec. Readiness is

@@ -303,3 +303,33 @@ def test_ttin_soon_after_ttou_waits_for_the_paused_workers(server_factory: Any, 
     assert errors(old) == [], old.log_text()
     old.signal(signal.SIGTERM)
     assert old.wait_exit(10) == 0
+
+
+@pytest.mark.parametrize("worker_class", ["sync", "thread", "gevent"])
+def test_a_ttou_during_an_upgrades_check_calls_the_upgrade_off(server_factory: Any, tmp_path: Path,
+                                                               gates: Any, worker_class: str) -> None:
+    """A successor's TTOU while USR2's check runs: the upgrade would exec into an image with
+    no listeners of ours, binding the ports the successor is taking. It is called off (the
+    check stopped, nothing re-executed); TTIN then resumes as after any pause."""
+    boot = tmp_path / "boot"  # absent: the first generation boots at once
+    server = server_factory("-k", worker_class, app="tests.apps.status:app",
+                            env={"STATUS_BOOT_GATE": str(boot)}).wait_ready()
+    port = server.port
+    gate = gates("boot")  # the upgrade's check imports the app: it waits here
+    server.signal(signal.SIGUSR2)
+    server.wait_log("Upgrade requested")
+    gate.wait_entered(20)
+    server.signal(signal.SIGTTOU)
+    server.wait_log("Paused: not listening")
+    server.wait_log("Upgrade abandoned: the server is paused")
+    gate.release()
+    boot.unlink()  # the resume's generation boots at once
+    wait_for(lambda: refused(port), 10, "the paused workers to let the port go")
+    server.signal(signal.SIGTTIN)
+    server.wait_log("Resumed: listening again")
+    server.wait_log("Reload complete")  # the resume's generation serves
+    assert get(port, "/").status == 200
+    assert server.count_log("Upgrade: re-executing") == 0
+    assert errors(server) == [], server.log_text()
+    server.signal(signal.SIGTERM)
+    assert server.wait_exit(15) == 0

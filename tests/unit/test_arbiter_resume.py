@@ -12,6 +12,7 @@ import pytest
 from forkserve.arbiter import Arbiter, handoff
 from forkserve.arbiter.handoff import RELEASE_GRACE, RESUME_RETRY
 from forkserve.config import parse_args, resolve
+from forkserve.lifecycle import Pause
 from forkserve.logs import Log
 from forkserve.sockets import socket_inode, still_listening
 
@@ -20,7 +21,7 @@ from forkserve.sockets import socket_inode, still_listening
 def paused(tmp_path: Path, monkeypatch: Any) -> Any:
     cli, _ = parse_args(["--drain-timeout", "10", "tests.apps.basic:app"], "test")
     a = Arbiter(resolve(cli, {}), cli, [], Log(str(tmp_path / "log")))
-    a.paused, a.paused_inodes = True, [4242]
+    a.pause_state, a.paused_inodes = Pause.PAUSED, [4242]
     held = {"value": True}
     monkeypatch.setattr(handoff, "holds_inode", lambda pid, inode: held["value"])
     monkeypatch.setattr(handoff, "still_listening", lambda inodes: False)
