@@ -190,6 +190,10 @@ class Observe:
         else:
             notifier.status(status_line(self.state.value, self.totals()))
 
+    def metrics_dir(self) -> str | None:
+        """Where the workers' metric files go (the workers get it in their settings)."""
+        return self.metrics.path if self.metrics is not None else None
+
     def observe_deadlines(self) -> Iterator[float]:
         if self.next_watchdog is not None:
             yield self.next_watchdog

@@ -75,7 +75,7 @@ class Generations:
         self.previous = (self.config, self.settings, self.worker_cls)
         self.config = new
         self.log.configure(new.log_level, new.log_format)
-        self.settings = WorkerSettings(new)
+        self.settings = WorkerSettings.of(new, self.metrics_dir())
         self.worker_cls = worker_class(new.worker_class)
         self.notify("reloading")
         self.step(Step.RELOAD)

@@ -18,7 +18,8 @@ import signal
 import socket
 import struct
 import time
-from typing import Any, Callable
+from dataclasses import dataclass, fields
+from typing import Any, Callable, ClassVar
 
 from setproctitle import setproctitle
 
@@ -29,7 +30,6 @@ from forkserve.counters import ExitCode, Kind, Writer
 from forkserve.http import Limits
 from forkserve.loader import AppLoadError, load_app
 from forkserve.logs import Log
-from forkserve.metrics import ENV as METRICS_ENV
 from forkserve.metrics import Recorder
 from forkserve.sockets import Listener
 from forkserve.telemetry import AccessLog, SpanLog
@@ -55,28 +55,36 @@ WORKER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1,
                   signal.SIGHUP, signal.SIGUSR2, signal.SIGTTIN, signal.SIGTTOU, signal.SIGWINCH)
 
 
+@dataclass(frozen=True)
 class WorkerSettings:
-    """What a worker needs of the configuration, read once at spawn."""
+    """What a worker needs of the configuration, read once at spawn: each field but the
+    derived ones (``DERIVED``) is the setting of the same name (a test holds them to it)."""
 
-    def __init__(self, config: Any) -> None:
-        self.app_spec: str = config.app
-        self.keepalive: float = config.keepalive
-        self.header_timeout: float = config.header_timeout
-        self.timeout: float = config.timeout
-        self.max_requests: int = config.max_requests
-        self.max_requests_jitter: int = config.max_requests_jitter
-        self.access_log: str | None = config.access_log
-        self.access_log_format: str = config.access_log_format
-        # Set by the cli (in the environment) when metrics are on; read at spawn.
-        self.metrics_dir: str | None = os.environ.get(METRICS_ENV) or None
-        self.span_log: str | None = config.span_log
-        self.background_threads: int = config.background_threads
-        self.cancel_grace: float = config.cancel_grace
-        self.max_connections: int | None = config.max_connections
-        self.worker_connections: int = config.worker_connections
-        self.threads: int = config.threads
-        self.limits = Limits(config.limit_request_line, config.limit_request_fields,
-                             config.limit_request_field_size, config.limit_request_body)
+    app: str
+    keepalive: float
+    header_timeout: float
+    timeout: float
+    max_requests: int
+    max_requests_jitter: int
+    access_log: str | None
+    access_log_format: str
+    span_log: str | None
+    background_threads: int
+    cancel_grace: float
+    max_connections: int | None
+    worker_connections: int
+    threads: int
+    limits: Limits  # limit_request_line, _fields, _field_size, _body
+    metrics_dir: str | None = None  # the arbiter's metrics store's directory, when metrics are on
+
+    DERIVED: ClassVar[frozenset[str]] = frozenset({"limits", "metrics_dir"})
+
+    @classmethod
+    def of(cls, config: Any, metrics_dir: str | None = None) -> "WorkerSettings":
+        taken = {f.name: getattr(config, f.name) for f in fields(cls) if f.name not in cls.DERIVED}
+        limits = Limits(config.limit_request_line, config.limit_request_fields,
+                        config.limit_request_field_size, config.limit_request_body)
+        return cls(**taken, limits=limits, metrics_dir=metrics_dir)
 
 
 class Worker:
@@ -187,7 +195,7 @@ class Worker:
             signal.signal(signum, signal.SIG_IGN)
         sigs.unblock()
         self.counters.pid = os.getpid()
-        _set_title(f"forkserve: worker {self.worker_id} [{self.settings.app_spec}]")
+        _set_title(f"forkserve: worker {self.worker_id} [{self.settings.app}]")
         if self.settings.access_log:
             self.access_log = AccessLog(self.settings.access_log, self.settings.access_log_format)
             self.request_ids = RequestIds()
@@ -204,7 +212,7 @@ class Worker:
     def _boot(self) -> bool:
         if self.app is None:
             try:
-                self.app = load_app(self.settings.app_spec)
+                self.app = load_app(self.settings.app)
             except AppLoadError as exc:
                 self.counters.send(Kind.BOOT_ERROR, str(exc))
                 if self.log.enabled(10) and exc.__cause__ is not None:
