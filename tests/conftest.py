@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import gc
+import os
 import shutil
 import signal
 import tempfile
@@ -17,6 +19,44 @@ from tests.harness import Gate, Server
 # in them.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _open_fds() -> dict[int, str]:
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            found[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # the listdir's own descriptor, closed already
+    return found
+
+
+def _multiprocessing_globals() -> set[int]:
+    """What multiprocessing opens once per process and keeps (the bench's load generator
+    uses it): the resource tracker's pipe; its shared-memory arenas are /dev/shm/pym-*."""
+    from multiprocessing import resource_tracker
+
+    fd = getattr(getattr(resource_tracker, "_resource_tracker", None), "_fd", None)
+    return {fd} if isinstance(fd, int) else set()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_fds() -> Iterator[None]:
+    """Every descriptor a test opened (client sockets, the pipes to a server's output, a
+    gate's FIFO) is closed by the end of its teardown: a leak here is a socket a server sees
+    as a client that never leaves, or a descriptor count that grows over the suite."""
+    before = _open_fds()
+    yield
+
+    def leaked() -> dict[int, str]:
+        kept = _multiprocessing_globals()
+        return {fd: target for fd, target in _open_fds().items()
+                if (fd not in before or before[fd] != target) and fd not in kept
+                and not target.startswith("/dev/shm/pym-")}
+
+    if leaked():
+        gc.collect()  # a cycle's socket: closed (and its ResourceWarning raised) by the collector
+        assert not leaked(), f"descriptors left open by the test: {leaked()}"
 
 
 @pytest.fixture

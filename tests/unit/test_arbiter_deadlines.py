@@ -17,7 +17,7 @@ from forkserve.logs import Log
 
 def arbiter(tmp_path: Path, *argv: str) -> Arbiter:
     cli, _ = parse_args([*argv, "tests.apps.basic:app"], "test")
-    return Arbiter(resolve(cli, {}), cli, [], Log(str(tmp_path / "log")))
+    return Arbiter(resolve(cli, {}), cli, [], Log("-", "critical"))
 
 
 def test_nothing_due_sleeps_without_a_deadline(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from forkserve.sockets import socket_inode, still_listening
 @pytest.fixture
 def paused(tmp_path: Path, monkeypatch: Any) -> Any:
     cli, _ = parse_args(["--drain-timeout", "10", "tests.apps.basic:app"], "test")
-    a = Arbiter(resolve(cli, {}), cli, [], Log(str(tmp_path / "log")))
+    a = Arbiter(resolve(cli, {}), cli, [], Log("-", "critical"))
     a.pause_state, a.paused_inodes = Pause.PAUSED, [4242]
     held = {"value": True}
     monkeypatch.setattr(handoff, "holds_inode", lambda pid, inode: held["value"])
