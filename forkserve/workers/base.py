@@ -45,6 +45,31 @@ class WorkerState(enum.Enum):
     HALTING = "halting"  # QUIT, or the arbiter's timeout kill: leave now
 
 
+class WorkerEvent(enum.Enum):
+    BOOTED = "the app is loaded"
+    STOP = "TERM or INT"  # graceful, from the arbiter
+    RETIRE = "max-requests reached"  # graceful, on its own
+    ARBITER_GONE = "the arbiter is gone"
+    CANCEL = "USR2: the drain deadline passed"
+    HALT = "QUIT, or the arbiter's timeout kill"
+
+
+WS, WE = WorkerState, WorkerEvent
+# Every (state, event) pair is listed: a signal can come at any moment, and its handler must
+# never raise for a pair nobody thought of; one that changes nothing says so here. Only
+# Worker._enter writes a worker's state.
+WORKER_TRANSITIONS: dict[tuple[WorkerState, WorkerEvent], WorkerState] = {
+    **{(state, event): state for state in WS for event in WE},  # unchanged, unless below
+    (WS.BOOTING, WE.BOOTED): WS.RUNNING,
+    (WS.BOOTING, WE.STOP): WS.STOPPING,
+    (WS.RUNNING, WE.STOP): WS.STOPPING,
+    (WS.RUNNING, WE.RETIRE): WS.STOPPING,
+    (WS.RUNNING, WE.ARBITER_GONE): WS.STOPPING,
+    **{(state, WE.CANCEL): WS.CANCELLED for state in WS if state is not WS.HALTING},
+    **{(state, WE.HALT): WS.HALTING for state in WS},
+}
+
+
 class HardStop(BaseException):
     """Raised inside a live request when the worker must stop at once (QUIT, or the arbiter's
     timeout kill via SIGABRT). A BaseException so that ``except Exception`` in apps does not
@@ -130,6 +155,14 @@ class Worker:
         self.wakeup_r = self.wakeup_w = -1
 
     # -- the child's life ----------------------------------------------------------------
+    def _enter(self, event: WorkerEvent) -> bool:
+        """The one writer of ``state`` (signal handlers call it too: a dict lookup, no I/O).
+        True when the state changed."""
+        new = WORKER_TRANSITIONS[(self.state, event)]
+        changed = new is not self.state
+        self.state = new
+        return changed
+
     def run_child(self) -> None:
         """Entered right after fork in the child; never returns."""
         code = ExitCode.OK
@@ -139,8 +172,7 @@ class Worker:
             if not self._boot():
                 code = ExitCode.APP_LOAD_ERROR
             else:
-                if self.state is WorkerState.BOOTING:
-                    self.state = WorkerState.RUNNING
+                self._enter(WorkerEvent.BOOTED)  # (a TERM while booting: still stopping)
                 self.serve()
                 self.wind_down()
         except HardStop as exc:
@@ -254,8 +286,7 @@ class Worker:
     #  - USR2 (the drain deadline) raises RequestCancelled inside the live request;
     #  - QUIT and the arbiter's timeout kill raise HardStop inside the live request.
     def _on_graceful(self, signum: int, frame: Any) -> None:
-        if self.state in (WorkerState.BOOTING, WorkerState.RUNNING):
-            self.state = WorkerState.STOPPING
+        self._enter(WorkerEvent.STOP)
         self.drain_reported = self.counters.draining()
         self.close_quiet_parked()
         self._release_listeners()
@@ -317,20 +348,19 @@ class Worker:
         self._release_listeners()
 
     def _on_cancel(self, signum: int, frame: Any) -> None:
-        if self.state is not WorkerState.HALTING:
-            self.state = WorkerState.CANCELLED
+        self._enter(WorkerEvent.CANCEL)
         context = self.cancellable
         if context is not None and not context.cancelled:
             context.cancelled = True
             raise RequestCancelled("cancelled: the drain timeout passed")
 
     def _on_hard(self, signum: int, frame: Any) -> None:
-        self.state = WorkerState.HALTING
+        self._enter(WorkerEvent.HALT)
         if self.in_request:
             raise HardStop("hard stop requested")
 
     def _on_abort(self, signum: int, frame: Any) -> None:
-        self.state = WorkerState.HALTING
+        self._enter(WorkerEvent.HALT)
         self.timed_out = True
         raise HardStop("killed by the arbiter: no heartbeat within --timeout")
 
@@ -352,8 +382,7 @@ class Worker:
                 self.log.debug("Worker reopened its log files", worker=self.worker_id)
 
     def arbiter_gone(self) -> None:
-        if self.state is WorkerState.RUNNING:
-            self.state = WorkerState.STOPPING
+        if self._enter(WorkerEvent.ARBITER_GONE):
             self.log.warning("Arbiter is gone; worker stopping", worker=self.worker_id)
 
     def report(self) -> None:
@@ -425,8 +454,7 @@ class Worker:
         counters = self.counters
         counters.requests_served += 1
         if self.max_requests and counters.requests_served >= self.max_requests:
-            if self.state is WorkerState.RUNNING:
-                self.state = WorkerState.STOPPING
+            if self._enter(WorkerEvent.RETIRE):
                 self.retire_reason = "max-requests"
                 counters.send(Kind.RETIRING, f"served {counters.requests_served} requests (max-requests)")
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from forkserve.context import RequestCancelled
 from forkserve.sockets import Listener
-from forkserve.workers.base import HardStop, WorkerState, drain_pipe
+from forkserve.workers.base import HardStop, WorkerEvent, WorkerState, drain_pipe
 from forkserve.workers.connection import Abandoned, Connection
 from forkserve.workers.sync import SyncWorker
 
@@ -203,8 +203,7 @@ class GeventWorker(SyncWorker):
             return  # full: the waiter is awake anyway
 
     def _stop_gracefully(self) -> None:
-        if self.state is RUNNING or self.state is WorkerState.BOOTING:
-            self.state = WorkerState.STOPPING
+        self._enter(WorkerEvent.STOP)
         self.drain_reported = self.counters.draining()
         self._wake_acceptors()
         # Every wait on a client wakes and applies the stop's graces itself (_stop_interrupted).
@@ -225,13 +224,11 @@ class GeventWorker(SyncWorker):
 
     def _on_term(self, signum: int, frame: Any) -> None:
         # -- runs in a signal handler: record the state, let a greenlet do the rest.
-        if self.state is RUNNING or self.state is WorkerState.BOOTING:
-            self.state = WorkerState.STOPPING
+        self._enter(WorkerEvent.STOP)
         self._gevent.spawn(self._stop_gracefully)
 
     def _g_cancel(self) -> None:
-        if self.state is not WorkerState.HALTING:
-            self.state = WorkerState.CANCELLED
+        self._enter(WorkerEvent.CANCEL)
         self._wake_acceptors()
         self.signal_stop(cancel=True)  # waits for a request head end (_stop_interrupted)
         self.told_to_stop.set()
@@ -243,7 +240,7 @@ class GeventWorker(SyncWorker):
         conn.owner.kill(RequestCancelled("cancelled: the drain timeout passed"), block=False)
 
     def _g_quit(self) -> None:
-        self.state = WorkerState.HALTING
+        self._enter(WorkerEvent.HALT)
         self._wake_acceptors()
         self.told_to_stop.set()
         for conn in list(self.connections):

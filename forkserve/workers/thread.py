@@ -33,7 +33,7 @@ from typing import Any
 from forkserve.context import RequestCancelled
 from forkserve.http import HTTPError
 from forkserve.sockets import Listener
-from forkserve.workers.base import WorkerState, drain_pipe
+from forkserve.workers.base import WorkerEvent, WorkerState, drain_pipe
 from forkserve.workers.connection import Abandoned, Connection, Timeout
 from forkserve.workers.sync import SyncWorker, remote_of, stop_grace_end
 from forkserve.wsgi import ClientGone
@@ -332,8 +332,7 @@ class ThreadWorker(SyncWorker):
     def _on_cancel(self, signum: int, frame: Any) -> None:
         """USR2 (the drain deadline): RequestCancelled in every thread serving a request; a
         thread waiting on its client is woken by the stop pipe (one atomic write)."""
-        if self.state is not WorkerState.HALTING:
-            self.state = WorkerState.CANCELLED
+        self._enter(WorkerEvent.CANCEL)
         for conn in list(self.connections):
             ident = conn.owner
             # A thread waiting on its client (conn.waiting) is ended by the stop pipe; one in
