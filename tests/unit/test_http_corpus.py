@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 from forkserve.http import END, HTTPError, Limits, Request, RequestParser
+from tests.http import taken
 
 CORPUS = Path(__file__).resolve().parent.parent / "http" / "corpus"
 SEEDS = tuple(range(8))
@@ -77,16 +78,6 @@ def describe(kind: str, name: str, mode: str, pieces: list[bytes]) -> str:
 def replay(parser: RequestParser, pieces: list[bytes]) -> None:
     for piece in pieces:
         parser.feed(piece)
-
-
-def taken(parser: RequestParser) -> list[Any]:
-    """Every event queued so far, taken off the parser's queue in order."""
-    events = []
-    event = parser.next_event()
-    while event is not None:
-        events.append(event)
-        event = parser.next_event()
-    return events
 
 
 def as_requests(events: list[Any], where: str) -> list[dict[str, Any]]:
