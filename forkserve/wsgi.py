@@ -330,8 +330,7 @@ class Exchange:
         ``known`` is the body's length when it is known; ``exact`` says it is also what a
         GET would send (a file), so a HEAD may announce it too.
         """
-        status = self.status
-        if status is None:
+        if self.status is None:
             raise AppError("the application did not call start_response")
         request = self.request
         if not self.close:
