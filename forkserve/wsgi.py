@@ -16,9 +16,9 @@ from typing import Any, Callable, Iterable, Protocol
 from urllib.parse import unquote_to_bytes
 
 from forkserve.http import HTTPError, Request
-from forkserve.http.response import (HOP_BY_HOP, SERVER, DateCache, check_header,
-                                     connection_field, parse_status, response_head)
-from forkserve.http.writers import BodyWriter, NoBodyWriter, body_writer
+from forkserve.http.response import (CONNECTION_CLOSE, CONNECTION_KEEP_ALIVE, HOP_BY_HOP, SERVER,
+                                     DateCache, check_header, parse_status, response_head)
+from forkserve.http.writers import BodyWriter, ContentLengthWriter, body_writer
 
 SERVER_FIELD = b"\r\nServer: " + SERVER + b"\r\n"  # follows the Date value in every head
 
@@ -250,8 +250,8 @@ class Exchange:
     writer :func:`~forkserve.http.writers.body_writer` chose for it."""
 
     __slots__ = ("transport", "request", "dates", "status", "status_code", "headers",
-                 "headers_sent", "content_length", "writer", "close", "finished",
-                 "event_stream")
+                 "headers_sent", "content_length", "writer", "close", "framing_broken",
+                 "finished", "event_stream")
 
     def __init__(self, transport: Transport, request: Request, dates: DateCache) -> None:
         self.transport = transport
@@ -264,6 +264,7 @@ class Exchange:
         self.content_length: int | None = None  # the application's Content-Length, if any
         self.writer: BodyWriter | None = None  # chosen when the head goes
         self.close = not request.keep_alive
+        self.framing_broken = False  # the app wrote more or less than its Content-Length
         self.finished = False  # the response is complete (the end, or finish_request)
         self.event_stream = False  # text/event-stream: ends at an event boundary on a drain
 
@@ -272,12 +273,6 @@ class Exchange:
         """Body bytes of this response written so far."""
         writer = self.writer
         return 0 if writer is None else writer.sent
-
-    @property
-    def framing_broken(self) -> bool:
-        """The app wrote more or less than its Content-Length."""
-        writer = self.writer
-        return writer is not None and writer.broken
 
     # PEP 3333 start_response -----------------------------------------------------------
     def start_response(self, status: str, headers: list[tuple[str, str]],
@@ -324,13 +319,16 @@ class Exchange:
         return self.write
 
     # body -------------------------------------------------------------------------------
-    def _start(self, known: int | None, exact: bool = False) -> BodyWriter:
-        """Decide the framing and whether the connection closes after this response.
+    def _respond(self, known: int | None, body: bytes = b"", whole: bool = False,
+                 exact: bool = False) -> bytes:
+        """Decide the framing and whether the connection closes; return the head with
+        ``body`` framed after it (the whole body when ``whole``, else its first piece).
 
         ``known`` is the body's length when it is known; ``exact`` says it is also what a
         GET would send (a file), so a HEAD may announce it too.
         """
-        if self.status is None:
+        status = self.status
+        if status is None:
             raise AppError("the application did not call start_response")
         request = self.request
         if not self.close:
@@ -345,13 +343,19 @@ class Exchange:
         if writer.closes:
             self.close = True
         self.headers_sent = True
-        return writer
-
-    def _head(self, writer: BodyWriter, body: bytes = b"") -> bytes:
-        """The head (with ``body``, already framed, joined to it), as the connection stands."""
-        return response_head(self.status, self.headers, (  # type: ignore[arg-type]  # _start
-            writer.header, connection_field(self.close, self.request.version),
+        if body:
+            body = writer.whole(body) if whole else writer.frame(body)
+        elif whole:
+            body = writer.end()
+        close = self.close
+        head = response_head(status, self.headers, (
+            writer.header,
+            CONNECTION_CLOSE if close else CONNECTION_KEEP_ALIVE if request.version == "1.0" else b"",
             b"Date: ", self.dates.get(), SERVER_FIELD), body)
+        if writer.broken:
+            # The head went before the body broke its framing, so it does not say close.
+            self.close = self.framing_broken = True
+        return head
 
     def write(self, data: bytes) -> None:
         """The write() callable, and each item of the app's iterable."""
@@ -363,13 +367,15 @@ class Exchange:
             data = bytes(data)
         writer = self.writer
         if writer is None:
-            if not data:
-                return  # PEP 3333: headers wait for the first non-empty body chunk
-            writer = self._start(None)
-            self.transport.send(self._head(writer, writer.frame(data)))
+            if data:  # PEP 3333: headers wait for the first non-empty body chunk
+                self.transport.send(self._respond(None, data))
             return
         if data:
             framed = writer.frame(data)
+            if writer.broken:
+                # More than its Content-Length: what was promised goes, then the connection
+                # closes, so nothing past it can be taken as the next response.
+                self.close = self.framing_broken = True
             if framed:
                 self.transport.send(framed)
 
@@ -382,10 +388,7 @@ class Exchange:
             self.finish()
             return
         self.finished = True
-        writer = self._start(len(body))
-        framed = writer.frame(body)
-        self.transport.send(self._head(writer, framed + writer.end()))
-        self._ended(writer)
+        self.transport.send(self._respond(len(body), body, whole=True))
 
     def send_file(self, wrapper: FileWrapper) -> bool:
         """Serve a FileWrapper with sendfile; False when it must be iterated instead."""
@@ -395,10 +398,10 @@ class Exchange:
         fd, offset, size = span
         if self.content_length is not None:
             size = min(size, self.content_length)
-        writer = self._start(size, exact=True)
-        self.transport.send(self._head(writer))
-        if isinstance(writer, NoBodyWriter) or size == 0:
-            return True
+        self.transport.send(self._respond(size, exact=True))
+        writer = self.writer
+        if not isinstance(writer, ContentLengthWriter) or size == 0:
+            return True  # no body (HEAD): a known length always gives a Content-Length
         sent = self.transport.sendfile(fd, offset, size)
         writer.sent += sent
         try:
@@ -407,12 +410,6 @@ class Exchange:
             self.close = True  # position unknown; nothing else depends on it
         return True
 
-    def _ended(self, writer: BodyWriter) -> None:
-        # A body that broke its framing leaves the connection unusable: close it. The head
-        # already went, so it does not say so.
-        if writer.broken:
-            self.close = True
-
     def finish(self) -> None:
         """The iterable is exhausted: send headers if none went yet, and the body's end."""
         if self.finished:
@@ -420,13 +417,15 @@ class Exchange:
         self.finished = True
         writer = self.writer
         if writer is None:
-            writer = self._start(0)
-            self.transport.send(self._head(writer, writer.end()))
-        else:
-            tail = writer.end()
-            if tail:
-                self.transport.send(tail)
-        self._ended(writer)
+            self.transport.send(self._respond(0, whole=True))
+            return
+        tail = writer.end()
+        if writer.broken:
+            # Fewer bytes than its Content-Length: the client sees a truncated body; close so
+            # it does not wait for the rest on a kept-alive connection.
+            self.close = self.framing_broken = True
+        if tail:
+            self.transport.send(tail)
 
 
 __all__ = ["AppError", "ClientGone", "ErrorStream", "Exchange", "FileWrapper", "HeaderKeys",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from collections import deque
 from dataclasses import dataclass
-from typing import Final, Union, final
+from typing import Callable, Final, Union, final
 
 import httptools
 
@@ -112,6 +112,9 @@ class RequestParser:
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self._events: deque[Event] = deque()
+        # pending(): how many events are queued. The deque's own __len__, so asking costs a C
+        # call, not a Python frame: the workers ask once or twice a request.
+        self.pending: Callable[[], int] = self._events.__len__
         self._parser = httptools.HttpRequestParser(self)
         self._in_head = False
         self._head_bytes = 0
@@ -140,9 +143,14 @@ class RequestParser:
         events = self._events
         return events[0] if events else None
 
-    def pending(self) -> int:
-        """How many events are queued."""
-        return len(self._events)
+    def take_end(self) -> bool:
+        """Take ``END`` off the queue if it is next (a request without a body, once its head
+        was taken); True when it was."""
+        events = self._events
+        if events and events[0] is END:
+            events.popleft()
+            return True
+        return False
 
     def fail(self, error: HTTPError) -> None:
         """Refuse the request being read with ``error`` (raised by ``feed``), after those

@@ -98,14 +98,6 @@ def response_head(status: str, headers: Iterable[tuple[str, str]], fields: Itera
     return b"".join(("".join(lines).encode("latin-1"), *fields, b"\r\n", body))
 
 
-def connection_field(close: bool, version: str) -> bytes:
-    """The Connection field a response needs: ``close`` when the connection ends after it,
-    ``keep-alive`` for an HTTP/1.0 client that may send another (RFC 9112 §9.3), else none."""
-    if close:
-        return CONNECTION_CLOSE
-    return CONNECTION_KEEP_ALIVE if version == "1.0" else b""
-
-
 def simple_response(status: int, reason: str, dates: DateCache, body: bytes | None = None,
                     close: bool = True, extra: bytes = b"") -> bytes:
     """A complete small response the server writes itself (errors: 400, 500, 503 ...)."""

@@ -39,6 +39,10 @@ class BodyWriter:
         """What ends the body on the wire (the last chunk, else nothing)."""
         return b""
 
+    def whole(self, data: bytes) -> bytes:
+        """The whole body at once: ``frame(data)`` then ``end()``."""
+        return self.frame(data) + self.end()
+
 
 class CloseDelimitedWriter(BodyWriter):
     """HTTP/1.0 with no length known: the body runs to the close (RFC 9112 §6.3 item 8)."""
@@ -93,6 +97,16 @@ class ContentLengthWriter(BodyWriter):
             self.broken = True
         return b""
 
+    def whole(self, data: bytes) -> bytes:
+        # The hello-world path: one call, not frame() and end().
+        room = self.length - self.sent
+        if len(data) != room:
+            if len(data) > room:
+                data = data[:room]
+            self.broken = True
+        self.sent += len(data)
+        return data
+
 
 class NoBodyWriter(BodyWriter):
     """A response with no body: to HEAD (RFC 9110 §9.3.2), or a 1xx, 204 or 304 status
@@ -106,6 +120,9 @@ class NoBodyWriter(BodyWriter):
         self.header = b"" if length is None else b"Content-Length: %d\r\n" % length
 
     def frame(self, data: bytes) -> bytes:
+        return b""
+
+    def whole(self, data: bytes) -> bytes:
         return b""
 
 

@@ -153,16 +153,16 @@ class Connection:
     def read_head(self, deadline: float) -> Request | None:
         """The next request's head, or None when the client closed before sending one."""
         parser = self.parser
-        head = parser.next_event()
-        self.received = head is not None
+        pending = parser.pending
+        self.received = bool(pending())
         self.reading_head = True
         try:
-            while head is None:
+            while not pending():
                 if not self.recv(deadline):
                     return None
-                head = parser.next_event()
         finally:
             self.reading_head = False
+        head = parser.next_event()
         self.cutoff = None  # a request is here: the next wait for one gets its own grace
         if type(head) is not Request:
             raise head  # type: ignore[misc]  # an HTTPError queued by RequestParser.fail
@@ -196,8 +196,7 @@ class Connection:
         """Drop what is left of the body; False when the connection cannot be reused."""
         parser = self.parser
         if not request.has_body:
-            if parser.peek_event() is END:
-                parser.next_event()
+            parser.take_end()
             return True
         if request.expect_continue and not self.continue_sent:
             return False  # we never asked for the body: the client may or may not send it

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from forkserve.http import END, EndOfMessage, HTTPError, Limits, Request, RequestParser
-from forkserve.http.response import (CONNECTION_CLOSE, CONNECTION_KEEP_ALIVE, LAST_CHUNK,
-                                     connection_field, response_head)
+from forkserve.http.response import CONNECTION_CLOSE, LAST_CHUNK, response_head
 from forkserve.http.writers import (BodyWriter, ChunkedWriter, CloseDelimitedWriter,
                                     ContentLengthWriter, NoBodyWriter, body_writer)
 from tests.http import taken
@@ -124,6 +123,27 @@ def test_no_body_drops_everything_and_never_breaks(length: int | None) -> None:
     assert (writer.sent, writer.broken, writer.closes) == (0, False, False)
 
 
+@pytest.mark.parametrize(("length", "body", "framed", "broken"), [
+    (5, b"hello", b"hello", False),
+    (3, b"hello", b"hel", True),  # too long: cut at the length
+    (9, b"hello", b"hello", True),  # too short
+    (0, b"", b"", False),
+])
+def test_content_length_whole_is_frame_then_end(length: int, body: bytes, framed: bytes,
+                                                broken: bool) -> None:
+    whole, pieces = ContentLengthWriter(length), ContentLengthWriter(length)
+    assert whole.whole(body) == framed == pieces.frame(body) + pieces.end()
+    assert (whole.sent, whole.broken) == (pieces.sent, pieces.broken) == (len(framed), broken)
+
+
+@pytest.mark.parametrize("writer", [ChunkedWriter(), CloseDelimitedWriter(), NoBodyWriter(3)])
+def test_whole_of_the_other_writers(writer: BodyWriter) -> None:
+    expected = {ChunkedWriter: b"2\r\nhi\r\n0\r\n\r\n", CloseDelimitedWriter: b"hi",
+                NoBodyWriter: b""}[type(writer)]
+    assert writer.whole(b"hi") == expected
+    assert not writer.broken
+
+
 # -- the head builder -------------------------------------------------------------------------
 
 def test_response_head_serialises_status_headers_fields_and_body() -> None:
@@ -140,14 +160,6 @@ def test_response_head_alone() -> None:
 def test_response_head_refuses_text_that_is_not_latin_1() -> None:
     with pytest.raises(UnicodeEncodeError):
         response_head("200 OK", [("X", "\u2713")])
-
-
-@pytest.mark.parametrize(("close", "version", "field"), [
-    (True, "1.1", CONNECTION_CLOSE), (True, "1.0", CONNECTION_CLOSE),
-    (False, "1.1", b""), (False, "1.0", CONNECTION_KEEP_ALIVE),
-])
-def test_connection_field(close: bool, version: str, field: bytes) -> None:
-    assert connection_field(close, version) == field
 
 
 # -- typed parser events and the private queue ------------------------------------------------
@@ -167,6 +179,16 @@ def test_events_are_typed_and_taken_in_order() -> None:
     assert events[2] is END and events[4] is END and repr(END) == "END"
     assert parser.pending() == 0
     assert not hasattr(parser, "events")
+
+
+def test_take_end_takes_only_an_end() -> None:
+    parser = RequestParser(Limits())
+    assert not parser.take_end()
+    parser.feed(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")
+    assert not parser.take_end()  # the head comes first
+    assert isinstance(parser.next_event(), Request)
+    assert parser.take_end()
+    assert parser.pending() == 0
 
 
 def test_fail_raises_when_no_request_is_complete() -> None:
