@@ -347,11 +347,12 @@ class Exchange:
             body = writer.whole(body) if whole else writer.frame(body)
         elif whole:
             body = writer.end()
-        close = self.close
+        if self.close:
+            connection = CONNECTION_CLOSE
+        else:  # an HTTP/1.0 client is told the connection stays (RFC 9112 §9.3)
+            connection = CONNECTION_KEEP_ALIVE if request.version == "1.0" else b""
         head = response_head(status, self.headers, (
-            writer.header,
-            CONNECTION_CLOSE if close else CONNECTION_KEEP_ALIVE if request.version == "1.0" else b"",
-            b"Date: ", self.dates.get(), SERVER_FIELD), body)
+            writer.header, connection, b"Date: ", self.dates.get(), SERVER_FIELD), body)
         if writer.broken:
             # The head went before the body broke its framing, so it does not say close.
             self.close = self.framing_broken = True

@@ -110,8 +110,8 @@ def test_parse_status_rejects(status: str) -> None:
     "200 \u2713",  # a reason phrase that cannot be encoded latin-1
 ])
 def test_parse_status_rejects_what_cannot_go_on_the_wire(status: str) -> None:
-    # The status line is encoded latin-1 (http.response.response_head); a status that parses here but
-    # cannot be encoded fails later, far from the app's start_response call.
+    # The status line is encoded latin-1 (http.response.response_head); a status that parses
+    # here but cannot be encoded fails later, far from the app's start_response call.
     with pytest.raises(ValueError):
         parse_status(status)
 
