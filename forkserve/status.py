@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import httptools
 
-from forkserve.http.response import reason_phrase
+from forkserve.http.response import reason_phrase, response_head
 from forkserve.sockets import Listener, refuse_new_connections, steer_new_connections_here
 
 MAX_HEAD = 8192  # a status request is a GET with a few headers
@@ -259,11 +259,11 @@ class StatusServer:
 
     def _answer(self, fd: int, client: _Client, answer: Answer, head_only: bool) -> None:
         status, content_type, body, *more = answer
-        extra = "".join(f"{name}: {value}\r\n" for name, value in (more[0] if more else ()))
-        head = (f"HTTP/1.1 {status} {reason_phrase(status)}\r\n"
-                f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n{extra}"
-                "Cache-Control: no-store\r\nConnection: close\r\n\r\n").encode("latin-1")
-        client.out = head if head_only else head + body
+        headers = [("Content-Type", content_type), ("Content-Length", str(len(body))),
+                   *(more[0] if more else ()), ("Cache-Control", "no-store"),
+                   ("Connection", "close")]
+        client.out = response_head(f"{status} {reason_phrase(status)}", headers,
+                                   body=b"" if head_only else body)
         self._send(fd, client)
 
     def _send(self, fd: int, client: _Client) -> None:

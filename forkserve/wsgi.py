@@ -1,10 +1,11 @@
-"""PEP 3333: the environ, ``wsgi.input``, ``start_response`` and response framing.
+"""PEP 3333: the environ, ``wsgi.input``, ``start_response``, ``write`` and the iterable.
 
-Owns: turning a parsed :class:`~forkserve.http.Request` into an environ, running the app's
-iterable, and framing what it yields (Content-Length, chunked, close-delimited; nothing for
-HEAD, 1xx, 204, 304). It talks to the connection only through a small *transport* object
-(``send``, ``sendfile``, ``read_body``, ``should_close``), so it imports no sockets and no
-workers.
+Owns: turning a parsed :class:`~forkserve.http.Request` into an environ, the start_response
+and exc_info rules, and handing what the app yields to the body writer of
+:mod:`forkserve.http.writers`, which frames it (Content-Length, chunked, close-delimited;
+nothing for HEAD, 1xx, 204, 304); the head is built by ``forkserve.http.response``. It
+talks to the connection only through a small *transport* object (``send``, ``sendfile``,
+``read_body``, ``should_close``), so it imports no sockets and no workers.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ from typing import Any, Callable, Iterable, Protocol
 from urllib.parse import unquote_to_bytes
 
 from forkserve.http import HTTPError, Request
-from forkserve.http.response import (HOP_BY_HOP, LAST_CHUNK, NO_BODY_STATUS, SERVER, DateCache,
-                                     check_header, chunk, parse_status)
+from forkserve.http.response import (CONNECTION_CLOSE, CONNECTION_KEEP_ALIVE, HOP_BY_HOP, SERVER,
+                                     DateCache, check_header, parse_status, response_head)
+from forkserve.http.writers import BodyWriter, ContentLengthWriter, body_writer
+
+SERVER_FIELD = b"\r\nServer: " + SERVER + b"\r\n"  # follows the Date value in every head
 
 
 class Transport(Protocol):
@@ -93,7 +97,8 @@ class Input:
         return line
 
     def readlines(self, hint: int = -1) -> list[bytes]:
-        lines, total = [], 0
+        lines: list[bytes] = []
+        total = 0
         while True:
             line = self.readline()
             if not line:
@@ -153,7 +158,7 @@ class FileWrapper:
         return self
 
     def __next__(self) -> bytes:
-        data = self.filelike.read(self.blksize)
+        data: bytes = self.filelike.read(self.blksize)
         if data:
             return data
         raise StopIteration
@@ -241,11 +246,12 @@ def build_environ(request: Request, base: dict[str, Any], keys: HeaderKeys,
 # -- running the application --------------------------------------------------------------------
 
 class Exchange:
-    """One request and its response: start_response, write(), and the body framing."""
+    """One request and its response: start_response, write(), and handing the body to the
+    writer :func:`~forkserve.http.writers.body_writer` chose for it."""
 
     __slots__ = ("transport", "request", "dates", "status", "status_code", "headers",
-                 "headers_sent", "content_length", "chunked", "no_body", "close", "sent",
-                 "framing_broken", "finished", "event_stream")
+                 "headers_sent", "content_length", "writer", "close", "framing_broken",
+                 "finished", "event_stream")
 
     def __init__(self, transport: Transport, request: Request, dates: DateCache) -> None:
         self.transport = transport
@@ -255,14 +261,18 @@ class Exchange:
         self.status_code = 0
         self.headers: list[tuple[str, str]] = []
         self.headers_sent = False
-        self.content_length: int | None = None
-        self.chunked = False
-        self.no_body = False
+        self.content_length: int | None = None  # the application's Content-Length, if any
+        self.writer: BodyWriter | None = None  # chosen when the head goes
         self.close = not request.keep_alive
-        self.sent = 0  # body bytes of this response written so far
-        self.framing_broken = False
+        self.framing_broken = False  # the app wrote more or less than its Content-Length
         self.finished = False  # the response is complete (the end, or finish_request)
         self.event_stream = False  # text/event-stream: ends at an event boundary on a drain
+
+    @property
+    def sent(self) -> int:
+        """Body bytes of this response written so far."""
+        writer = self.writer
+        return 0 if writer is None else writer.sent
 
     # PEP 3333 start_response -----------------------------------------------------------
     def start_response(self, status: str, headers: list[tuple[str, str]],
@@ -309,26 +319,18 @@ class Exchange:
         return self.write
 
     # body -------------------------------------------------------------------------------
-    def _head(self, final_length: int | None, exact: bool = False) -> bytes:
-        """Serialise the status line and headers, choosing the framing now.
+    def _respond(self, known: int | None, body: bytes = b"", whole: bool = False,
+                 exact: bool = False) -> bytes:
+        """Decide the framing and whether the connection closes; return the head with
+        ``body`` framed after it (the whole body when ``whole``, else its first piece).
 
-        ``final_length`` is the body's length when it is known; ``exact`` says it is also
-        what a GET would send (a file), so a HEAD may announce it too.
+        ``known`` is the body's length when it is known; ``exact`` says it is also what a
+        GET would send (a file), so a HEAD may announce it too.
         """
-        if self.status is None:
+        status = self.status
+        if status is None:
             raise AppError("the application did not call start_response")
-        code = self.status_code
         request = self.request
-        head_only = request.method == "HEAD"
-        self.no_body = code < 200 or code in NO_BODY_STATUS or head_only
-        length = self.content_length
-        if self.no_body:
-            if code in NO_BODY_STATUS:
-                length = None  # RFC 9110 §8.6: no Content-Length on 204 (or a 304's)
-            elif length is None and exact:
-                length = final_length
-        elif length is None and final_length is not None:
-            length = self.content_length = final_length
         if not self.close:
             if request.expect_continue and request.has_body and not self.transport.continue_sent:
                 # Answering without asking for the body: the connection will close, so say
@@ -336,42 +338,25 @@ class Exchange:
                 self.close = True
             elif self.transport.should_close():
                 self.close = True
-        lines = ["HTTP/1.1 ", self.status, "\r\n"]
-        for name, value in self.headers:
-            lines += (name, ": ", value, "\r\n")
-        if length is not None:
-            lines += ("Content-Length: ", str(length), "\r\n")
-        elif not self.no_body:
-            if request.version == "1.1":
-                self.chunked = True
-                lines.append("Transfer-Encoding: chunked\r\n")
-            else:
-                self.close = True  # HTTP/1.0 with no length: the close delimits the body
-        if self.close:
-            lines.append("Connection: close\r\n")
-        elif request.version == "1.0":
-            lines.append("Connection: keep-alive\r\n")
+        writer = self.writer = body_writer(self.status_code, request.method, request.version,
+                                           self.content_length, known, exact)
+        if writer.closes:
+            self.close = True
         self.headers_sent = True
-        return b"".join((
-            "".join(lines).encode("latin-1"),
-            b"Date: ", self.dates.get(), b"\r\nServer: ", SERVER, b"\r\n\r\n"))
-
-    def _frame(self, data: bytes) -> bytes:
-        if self.no_body:
-            return b""
-        if self.chunked:
-            self.sent += len(data)
-            return chunk(data)
-        if self.content_length is not None:
-            room = self.content_length - self.sent
-            if len(data) > room:
-                # More than promised: send what was promised, then close, so nothing the app
-                # wrote past its Content-Length can be taken as the next response.
-                data = data[:room]
-                self.framing_broken = True
-                self.close = True
-        self.sent += len(data)
-        return data
+        if body:
+            body = writer.whole(body) if whole else writer.frame(body)
+        elif whole:
+            body = writer.end()
+        if self.close:
+            connection = CONNECTION_CLOSE
+        else:  # an HTTP/1.0 client is told the connection stays (RFC 9112 §9.3)
+            connection = CONNECTION_KEEP_ALIVE if request.version == "1.0" else b""
+        head = response_head(status, self.headers, (
+            writer.header, connection, b"Date: ", self.dates.get(), SERVER_FIELD), body)
+        if writer.broken:
+            # The head went before the body broke its framing, so it does not say close.
+            self.close = self.framing_broken = True
+        return head
 
     def write(self, data: bytes) -> None:
         """The write() callable, and each item of the app's iterable."""
@@ -381,14 +366,17 @@ class Exchange:
             if not isinstance(data, (bytearray, memoryview)):
                 raise AppError(f"the application yielded {type(data).__name__}, not bytes")
             data = bytes(data)
-        if not self.headers_sent:
-            if not data:
-                return  # PEP 3333: headers wait for the first non-empty body chunk
-            head = self._head(None)
-            self.transport.send(head + self._frame(data))
+        writer = self.writer
+        if writer is None:
+            if data:  # PEP 3333: headers wait for the first non-empty body chunk
+                self.transport.send(self._respond(None, data))
             return
         if data:
-            framed = self._frame(data)
+            framed = writer.frame(data)
+            if writer.broken:
+                # More than its Content-Length: what was promised goes, then the connection
+                # closes, so nothing past it can be taken as the next response.
+                self.close = self.framing_broken = True
             if framed:
                 self.transport.send(framed)
 
@@ -396,53 +384,47 @@ class Exchange:
         """The whole body known at once (a list or tuple): one send, with a Content-Length."""
         if self.finished:
             return
-        self.finished = True
-        if self.headers_sent:
-            self.finished = False
+        if self.writer is not None:
             self.write(body)
             self.finish()
             return
-        head = self._head(len(body))
-        self.transport.send(head + self._frame(body) + self._tail())
+        self.finished = True
+        self.transport.send(self._respond(len(body), body, whole=True))
 
     def send_file(self, wrapper: FileWrapper) -> bool:
         """Serve a FileWrapper with sendfile; False when it must be iterated instead."""
         span = wrapper.sendfile_span()
-        if span is None or self.headers_sent:
+        if span is None or self.writer is not None:
             return False
         fd, offset, size = span
         if self.content_length is not None:
             size = min(size, self.content_length)
-        self.transport.send(self._head(size, exact=True))
-        if self.no_body or size == 0:
-            return True
+        self.transport.send(self._respond(size, exact=True))
+        writer = self.writer
+        if not isinstance(writer, ContentLengthWriter) or size == 0:
+            return True  # no body (HEAD): a known length always gives a Content-Length
         sent = self.transport.sendfile(fd, offset, size)
-        self.sent += sent
+        writer.sent += sent
         try:
             wrapper.filelike.seek(offset + sent)
         except (AttributeError, OSError, ValueError):
             self.close = True  # position unknown; nothing else depends on it
         return True
 
-    def _tail(self) -> bytes:
-        if self.chunked:
-            return LAST_CHUNK
-        if self.content_length is not None and self.sent < self.content_length and not self.no_body:
-            # Fewer bytes than promised: the client will see a truncated body; close so it
-            # does not wait for the rest on a kept-alive connection.
-            self.framing_broken = True
-            self.close = True
-        return b""
-
     def finish(self) -> None:
-        """The iterable is exhausted: send headers if none went yet, and the last chunk."""
+        """The iterable is exhausted: send headers if none went yet, and the body's end."""
         if self.finished:
             return
         self.finished = True
-        if not self.headers_sent:
-            self.transport.send(self._head(0) + self._tail())
+        writer = self.writer
+        if writer is None:
+            self.transport.send(self._respond(0, whole=True))
             return
-        tail = self._tail()
+        tail = writer.end()
+        if writer.broken:
+            # Fewer bytes than its Content-Length: the client sees a truncated body; close so
+            # it does not wait for the rest on a kept-alive connection.
+            self.close = self.framing_broken = True
         if tail:
             self.transport.send(tail)
 

@@ -5,6 +5,6 @@ framing. Must not import sockets, WSGI, workers or config: only its own modules.
 """
 
 from forkserve.http.errors import HTTPError
-from forkserve.http.parser import END, Limits, Request, RequestParser
+from forkserve.http.parser import END, EndOfMessage, Event, Limits, Request, RequestParser
 
-__all__ = ["END", "HTTPError", "Limits", "Request", "RequestParser"]
+__all__ = ["END", "EndOfMessage", "Event", "HTTPError", "Limits", "Request", "RequestParser"]

@@ -1,9 +1,16 @@
 """Request parsing on httptools (llhttp): bytes in, events out.
 
-``RequestParser.feed(data)`` appends events to ``parser.events``, in order:
-a :class:`Request` (the head), zero or more ``bytes`` (body data, de-chunked), then ``END``.
-Pipelined requests simply follow in the same queue. Anything the server must refuse raises
-:class:`HTTPError` with the precise status, before the request can reach an application.
+``RequestParser.feed(data)`` queues events, in order: a :class:`Request` (the head), zero or
+more ``bytes`` (body data, de-chunked), then ``END`` (the one :class:`EndOfMessage`).
+Pipelined requests simply follow in the same queue; ``next_event()`` takes them off it, in
+order, and gives None when it needs more input. Anything the server must refuse raises
+:class:`HTTPError` with the precise status, before the request can reach an application;
+``fail(error)`` queues such an error behind the requests already complete (the caller answers
+those first), so the queue may also hold one ``HTTPError``, always last.
+
+Body data stays plain ``bytes``: wrapping each piece in a small event object (a NamedTuple or a
+frozen dataclass, as h11's ``Data``) cost 0.5 to 0.8 µs more per piece, queued and taken, on
+the machine this was measured on, and ``bytes`` is already a type of its own in the union.
 
 llhttp already refuses the classic smuggling vectors (Transfer-Encoding with Content-Length,
 duplicate Content-Length, bare LF, obs-fold, invalid tokens); on top of it we enforce the
@@ -16,7 +23,7 @@ from __future__ import annotations
 import re
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Callable, Final, Union, final
 
 import httptools
 
@@ -24,7 +31,20 @@ from forkserve.http.errors import HTTPError
 
 _TOKEN_START = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+( |\Z)")
 
-END: Any = type("END", (), {"__repr__": lambda self: "END"})()
+
+
+@final
+class EndOfMessage:
+    """The end of one request (its body, if any, all delivered). There is one: ``END``,
+    compared with ``is``."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "END"
+
+
+END: Final = EndOfMessage()
 
 
 @dataclass(frozen=True)
@@ -81,7 +101,9 @@ class Request:
         return f"<Request {self.method} {self.target!r} HTTP/{self.version}>"
 
 
-Event = Union[Request, bytes, Any]
+# What the queue holds: a head, body data, the end of a request, or (last, from fail()) the
+# error that refuses the request after the complete ones.
+Event = Union[Request, bytes, EndOfMessage, HTTPError]
 
 
 class RequestParser:
@@ -89,7 +111,10 @@ class RequestParser:
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
-        self.events: deque[Event] = deque()
+        self._events: deque[Event] = deque()
+        # pending(): how many events are queued. The deque's own __len__, so asking costs a C
+        # call, not a Python frame: the workers ask once or twice a request.
+        self.pending: Callable[[], int] = self._events.__len__
         self._parser = httptools.HttpRequestParser(self)
         self._in_head = False
         self._head_bytes = 0
@@ -106,6 +131,42 @@ class RequestParser:
         self._in_body = False
         self._began_here = False
         self._probe = b""
+
+    # -- output ------------------------------------------------------------------------
+    def next_event(self) -> Event | None:
+        """Take the next event off the queue; None when it is empty (feed more input)."""
+        events = self._events
+        return events.popleft() if events else None
+
+    def peek_event(self) -> Event | None:
+        """The next event, left on the queue; None when it is empty."""
+        events = self._events
+        return events[0] if events else None
+
+    def take_end(self) -> bool:
+        """Take ``END`` off the queue if it is next (a request without a body, once its head
+        was taken); True when it was."""
+        events = self._events
+        if events and events[0] is END:
+            events.popleft()
+            return True
+        return False
+
+    def fail(self, error: HTTPError) -> None:
+        """Refuse the request being read with ``error`` (raised by ``feed``), after those
+        already complete.
+
+        A parse error behind complete pipelined requests belongs to the request that caused
+        it: those before it are answered first (RFC 9112 §9.6), then it is refused. What
+        follows the last complete request is dropped, so no part of a refused request (an
+        over-limit body, say) ever reaches the app. With nothing complete queued, the error
+        belongs to the request being read: it is raised again now."""
+        events = self._events
+        if END not in events:
+            raise error
+        while events[-1] is not END:
+            events.pop()
+        events.append(error)
 
     # -- input -------------------------------------------------------------------------
     def feed(self, data: bytes) -> None:
@@ -157,7 +218,7 @@ class RequestParser:
         protocols: the request is served as a plain one and the connection then closes. A
         Content-Length body is still delivered to the app; a chunked one is refused."""
         self._upgraded = True
-        heads = [event for event in self.events if isinstance(event, Request)]
+        heads = [event for event in self._events if isinstance(event, Request)]
         if not heads:
             return
         head = heads[-1]
@@ -167,8 +228,8 @@ class RequestParser:
             raise HTTPError(501, "A chunked body with Upgrade is not implemented")
         remaining = head.content_length or 0
         if remaining:
-            if self.events and self.events[-1] is END:
-                self.events.pop()  # llhttp ended the message before its body: reopen it
+            if self._events and self._events[-1] is END:
+                self._events.pop()  # llhttp ended the message before its body: reopen it
             self._upgrade_remaining = remaining
             self._upgrade_body(data[offset:])
 
@@ -181,7 +242,7 @@ class RequestParser:
             self.on_body(piece)
         self._upgrade_remaining = remaining - len(piece)
         if self._upgrade_remaining == 0:
-            self.events.append(END)
+            self._events.append(END)
 
     # -- llhttp callbacks (called from inside feed_data) -----------------------------------
     def on_message_begin(self) -> None:
@@ -243,7 +304,7 @@ class RequestParser:
             raise HTTPError(413, "Request body too large")
         # RFC 9112 §6.1: an HTTP/1.0 message with Transfer-Encoding must close afterwards.
         keep_alive = parser.should_keep_alive() and not (chunked and version == "1.0")
-        self.events.append(Request(
+        self._events.append(Request(
             parser.get_method().decode("ascii"), self._url, version, self._headers,
             keep_alive, self._content_length, chunked, self._expect and version == "1.1"))
 
@@ -253,11 +314,11 @@ class RequestParser:
             self._body_bytes += len(body)
             if self._body_bytes > limit:
                 raise HTTPError(413, "Request body too large")
-        self.events.append(body)
+        self._events.append(body)
 
     def on_message_complete(self) -> None:
         self._in_body = False
-        self.events.append(END)
+        self._events.append(END)
 
 
 def _reason(exc: Exception) -> str:

@@ -1,6 +1,8 @@
-"""Response framing: status lines, header validation, chunk framing, the Date header.
+"""Response framing: the head builder, header validation, chunk framing, the Date header.
 
-Pure functions over bytes; no sockets, no WSGI.
+Pure functions over bytes; no sockets, no WSGI. ``response_head`` is the one place a response
+head is serialised: the WSGI exchange, the server's own small responses and the arbiter's
+status server all go through it. The body writers are in :mod:`forkserve.http.writers`.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import re
 import time
 from email.utils import formatdate
 from http import HTTPStatus
+from typing import Iterable
 
 SERVER = b"forkserve"
 
@@ -76,6 +79,23 @@ def chunk(data: bytes) -> bytes:
 
 LAST_CHUNK = b"0\r\n\r\n"
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+CONNECTION_CLOSE = b"Connection: close\r\n"
+CONNECTION_KEEP_ALIVE = b"Connection: keep-alive\r\n"
+
+
+def response_head(status: str, headers: Iterable[tuple[str, str]], fields: Iterable[bytes] = (),
+                  body: bytes = b"") -> bytes:
+    """``HTTP/1.1 <status>``, each header as ``name: value``, then ``fields`` (what the server
+    adds, already serialised, each line ending in CRLF), the blank line and ``body``: one join,
+    so a small response is built and sent whole.
+
+    The caller has validated ``status`` and ``headers`` (``parse_status``, ``check_header``);
+    text is encoded latin-1, as PEP 3333 says. ``body`` is the framed body, if any.
+    """
+    lines = ["HTTP/1.1 ", status, "\r\n"]
+    for name, value in headers:
+        lines += (name, ": ", value, "\r\n")
+    return b"".join(("".join(lines).encode("latin-1"), *fields, b"\r\n", body))
 
 
 def simple_response(status: int, reason: str, dates: DateCache, body: bytes | None = None,
@@ -83,12 +103,8 @@ def simple_response(status: int, reason: str, dates: DateCache, body: bytes | No
     """A complete small response the server writes itself (errors: 400, 500, 503 ...)."""
     if body is None:
         body = f"{status} {reason}\n".encode("latin-1")
-    return b"".join((
-        b"HTTP/1.1 %d %s\r\n" % (status, reason.encode("latin-1")),
+    return response_head("%d %s" % (status, reason), (), (
         b"Date: ", dates.get(), b"\r\nServer: ", SERVER,
         b"\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n" % len(body),
-        b"Connection: close\r\n" if close else b"",
-        extra,
-        b"\r\n",
-        body,
-    ))
+        CONNECTION_CLOSE if close else b"",
+        extra), body)

@@ -37,7 +37,7 @@ class Abandoned(Exception):
 
 
 class Connection:
-    __slots__ = ("sock", "fd", "remote", "parser", "events", "io_timeout", "exchange",
+    __slots__ = ("sock", "fd", "remote", "parser", "io_timeout", "exchange",
                  "continue_sent", "received", "_poll", "closed", "should_close", "released",
                  "interrupt_fd", "interrupted", "reading_head", "served", "cutoff", "owner",
                  "waiting", "idle_since", "output_ended")
@@ -50,7 +50,6 @@ class Connection:
         self.fd = sock.fileno()
         self.remote = remote
         self.parser = RequestParser(limits)
-        self.events = self.parser.events
         self.io_timeout = io_timeout
         self.exchange: Exchange | None = None
         self.continue_sent = False
@@ -70,6 +69,11 @@ class Connection:
         self.idle_since = 0.0  # monotonic time the last response ended (keep-alive idle)
         self.output_ended = False  # end_output() was called: nothing more can be sent
         self.should_close = _never
+
+    @property
+    def events(self) -> int:
+        """How many parser events wait: non-zero when a pipelined request is already here."""
+        return self.parser.pending()
 
     # -- waiting -------------------------------------------------------------------------
     def _wait(self, flag: int, deadline: float) -> None:
@@ -143,50 +147,38 @@ class Connection:
             try:
                 self.parser.feed(data)
             except HTTPError as exc:
-                self._queue_error(exc)
+                self.parser.fail(exc)  # raised again unless complete requests come first
             return True
-
-    def _queue_error(self, exc: HTTPError) -> None:
-        """A parse error behind complete pipelined requests belongs to the request that
-        caused it: those before it are answered first (RFC 9112 §9.6), then it is refused.
-        What follows the last complete request is dropped, so no part of a refused request
-        (an over-limit body, say) ever reaches the app. With nothing complete queued, the
-        error belongs to the request being read: raise it now."""
-        events = self.events
-        if END not in events:
-            raise exc
-        while events[-1] is not END:
-            events.pop()
-        events.append(exc)
 
     def read_head(self, deadline: float) -> Request | None:
         """The next request's head, or None when the client closed before sending one."""
-        events = self.events
-        self.received = bool(events)
+        parser = self.parser
+        pending = parser.pending
+        self.received = bool(pending())
         self.reading_head = True
         try:
-            while not events:
+            while not pending():
                 if not self.recv(deadline):
                     return None
         finally:
             self.reading_head = False
-        head = events.popleft()
+        head = parser.next_event()
         self.cutoff = None  # a request is here: the next wait for one gets its own grace
         if type(head) is not Request:
-            raise head  # a queued HTTPError: see _queue_error
+            raise head  # type: ignore[misc]  # an HTTPError queued by RequestParser.fail
         self.continue_sent = False
         return head
 
     def read_body(self) -> bytes:
         """Transport for wsgi.input: the next piece of the body, b"" at its end."""
-        events = self.events
+        parser = self.parser
         while True:
-            if events:
-                event = events[0]
-                if event is END:
-                    return b""  # left in place: discard_body() sees the request ended
-                events.popleft()
-                return event  # type: ignore[no-any-return]
+            event = parser.peek_event()
+            if event is END:
+                return b""  # left in place: discard_body() sees the request ended
+            if event is not None:
+                parser.next_event()
+                return event  # type: ignore[return-value]  # inside a body: data only
             if not self.continue_sent:
                 exchange = self.exchange
                 if exchange is not None and exchange.request.expect_continue and not exchange.headers_sent:
@@ -197,26 +189,26 @@ class Connection:
 
     def has_unread(self) -> bool:
         """True when closing now could discard bytes the client sent (so linger first)."""
-        events = self.events
-        return not events or events[0] is not END or len(events) > 1
+        parser = self.parser
+        return parser.pending() != 1 or parser.peek_event() is not END
 
     def discard_body(self, request: Request) -> bool:
         """Drop what is left of the body; False when the connection cannot be reused."""
-        events = self.events
+        parser = self.parser
         if not request.has_body:
-            if events and events[0] is END:
-                events.popleft()
+            parser.take_end()
             return True
         if request.expect_continue and not self.continue_sent:
             return False  # we never asked for the body: the client may or may not send it
         dropped = 0
         deadline = time.monotonic() + min(self.io_timeout, 1.0)
         while True:
-            while events:
-                event = events.popleft()
+            event = parser.next_event()
+            while event is not None:
                 if event is END:
                     return True
-                dropped += len(event)
+                dropped += len(event)  # type: ignore[arg-type]  # inside a body: data only
+                event = parser.next_event()
             if dropped > DISCARD_LIMIT:
                 return False
             try:

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 from forkserve.http import END, HTTPError, Limits, Request, RequestParser
+from tests.http import taken
 
 CORPUS = Path(__file__).resolve().parent.parent / "http" / "corpus"
 SEEDS = tuple(range(8))
@@ -175,7 +176,7 @@ def test_valid(name: str, mode: str) -> None:
         replay(parser, pieces)
     except HTTPError as exc:
         pytest.fail(f"{where}: refused a valid request with {exc.status} {exc.reason}")
-    got = as_requests(list(parser.events), where)
+    got = as_requests(taken(parser), where)
     assert len(got) == len(spec["requests"]), f"{where}: {len(got)} requests, expected {len(spec['requests'])}"
     for index, (actual, expected) in enumerate(zip(got, spec["requests"])):
         assert actual == expected, f"{where}: request {index} differs"
@@ -193,10 +194,10 @@ def test_invalid(name: str, mode: str) -> None:
         error = exc
     else:
         pytest.fail(f"{where}: accepted; expected HTTPError {spec['status']}; "
-                    f"events {list(parser.events)!r}")
+                    f"events {taken(parser)!r}")
     assert error.status == spec["status"], (
         f"{where}: HTTPError {error.status} {error.reason!r}, expected {spec['status']}")
-    events = list(parser.events)
+    events = taken(parser)
     complete = sum(1 for event in events if event is END)
     assert complete == spec.get("complete", 0), (
         f"{where}: {complete} complete requests emitted, expected {spec.get('complete', 0)}: {events!r}")

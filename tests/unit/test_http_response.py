@@ -12,6 +12,7 @@ import pytest
 from forkserve.http import END, Limits, RequestParser, response
 from forkserve.http.response import (CONTINUE, LAST_CHUNK, DateCache, check_header, chunk,
                                      parse_status, reason_phrase, simple_response)
+from tests.http import taken
 
 # RFC 7231 §7.1.1.1 IMF-fixdate, e.g. "Sun, 06 Nov 1994 08:49:37 GMT".
 IMF_FIXDATE = re.compile(
@@ -109,8 +110,8 @@ def test_parse_status_rejects(status: str) -> None:
     "200 \u2713",  # a reason phrase that cannot be encoded latin-1
 ])
 def test_parse_status_rejects_what_cannot_go_on_the_wire(status: str) -> None:
-    # The status line is encoded latin-1 (wsgi.Exchange._head); a status that parses here but
-    # cannot be encoded fails later, far from the app's start_response call.
+    # The status line is encoded latin-1 (http.response.response_head); a status that parses
+    # here but cannot be encoded fails later, far from the app's start_response call.
     with pytest.raises(ValueError):
         parse_status(status)
 
@@ -153,7 +154,7 @@ def test_chunks_decode_back_through_the_request_parser() -> None:
     head = b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
     parser = RequestParser(Limits())
     parser.feed(head + body)
-    events = list(parser.events)
+    events = taken(parser)
     assert events[-1] is END
     assert b"".join(events[1:-1]) == b"".join(pieces)
 
