@@ -18,6 +18,7 @@ from __future__ import annotations
 import array
 import json
 import os
+import select
 import socket
 import stat
 import struct
@@ -34,7 +35,10 @@ class ControlError(Exception):
 
 
 class ControlServer:
-    """Non-blocking: the arbiter polls ``fileno()`` and each client's fd in its loop."""
+    """Non-blocking: the arbiter polls ``fileno()`` and each client's fd in its loop, for
+    what ``wants`` says (the request line, then the answer's room); nothing here blocks
+    the loop, not even a client that sends its command and never reads the answer (it is
+    dropped at its deadline)."""
 
     def __init__(self, path: str, handler: Callable[[str, str], tuple[dict[str, Any], list[int]]]) -> None:
         self.path = os.path.abspath(path)
@@ -42,6 +46,7 @@ class ControlServer:
         self.clients: dict[int, tuple[socket.socket, bytes, float]] = {}
         self.peers: dict[int, int] = {}  # client fd -> its process id (SO_PEERCRED)
         self.peer_pid = 0  # the process whose command the handler is answering now
+        self.answers: dict[int, tuple[bytes, list[int]]] = {}  # fd -> what is left to send
         if os.path.exists(self.path):
             if not stat.S_ISSOCK(os.stat(self.path).st_mode):
                 raise ControlError(f"{self.path} exists and is not a socket")
@@ -87,8 +92,15 @@ class ControlServer:
             self.clients[client.fileno()] = (client, b"", time.monotonic() + CLIENT_TIMEOUT)
             fds.append(client.fileno())
 
-    def readable(self, fd: int) -> bool:
-        """Read from a client; answer once a whole line is in. True when the client is done."""
+    def wants(self, fd: int) -> int:
+        """The poll events this client waits for now."""
+        return select.POLLOUT if fd in self.answers else select.POLLIN
+
+    def serve(self, fd: int) -> bool:
+        """The client's fd is ready: read its line (and answer it once whole), or send more
+        of the answer. True when the client is done (answered, gone, or refused)."""
+        if fd in self.answers:
+            return self._send(fd)
         client, buffer, deadline = self.clients[fd]
         try:
             data = client.recv(MAX_LINE)
@@ -107,17 +119,25 @@ class ControlServer:
             answer, fds = self.handler(command.lower(), arg.strip())
         except Exception as exc:  # a broken command must not take the arbiter down
             answer, fds = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, []
-        payload = (json.dumps(answer, default=str) + "\n").encode()
+        self.answers[fd] = ((json.dumps(answer, default=str) + "\n").encode(), fds)
+        return self._send(fd)
+
+    def _send(self, fd: int) -> bool:
+        client = self.clients[fd][0]
+        payload, fds = self.answers[fd]
         try:
-            client.setblocking(True)
-            client.settimeout(CLIENT_TIMEOUT)
-            if fds:
-                client.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                            array.array("i", fds).tobytes())])
+            if fds:  # with the first byte sent, or not at all
+                sent = client.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                   array.array("i", fds).tobytes())])
             else:
-                client.sendall(payload)
+                sent = client.send(payload)
+        except (BlockingIOError, InterruptedError):
+            return False  # no room yet: poll for it
         except OSError:
-            client.close()  # the client left; nothing to tell it (drop closes it too)
+            sent = len(payload)  # the client left; nothing to tell it
+        if sent < len(payload):
+            self.answers[fd] = (payload[sent:], [])
+            return False
         self.drop(fd)
         return True
 
@@ -127,6 +147,7 @@ class ControlServer:
     def drop(self, fd: int) -> None:
         client, _, _ = self.clients.pop(fd)
         self.peers.pop(fd, None)
+        self.answers.pop(fd, None)
         client.close()
 
     def close(self) -> None:

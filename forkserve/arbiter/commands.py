@@ -26,8 +26,11 @@ class Commands:
             if fd == control.fileno():
                 for client in control.accept():
                     self.poller.register(client, select.POLLIN)
-            elif fd in control.clients and control.readable(fd):
-                self.poller.unregister(fd)
+            elif fd in control.clients:
+                if control.serve(fd):
+                    self.poller.unregister(fd)
+                else:
+                    self.poller.modify(fd, control.wants(fd))
         for fd in control.expired(time.monotonic()):
             self.poller.unregister(fd)
             control.drop(fd)
