@@ -326,3 +326,64 @@ class Recorder:
 
 
 _DOUBLE = struct.Struct("d").pack  # native, as prometheus_client's own files
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+# -- /metrics: the arbiter's live numbers --------------------------------------------------------
+
+WORKER_STATES = ("booting", "running", "stopping", "draining")
+PER_WORKER = (
+    ("forkserve_active_connections", "Connections a worker holds open", "active_connections"),
+    ("forkserve_in_flight_requests",
+     "Requests in flight in a worker (from the first byte until the app's iterable is closed)",
+     "in_flight_requests"),
+    ("forkserve_background_tasks", "Background tasks queued or running in a worker",
+     "background_tasks"),
+    ("forkserve_worker_rss_bytes", "Resident memory of a worker", "rss_bytes"),
+    ("forkserve_worker_heartbeat_age_seconds", "Seconds since a worker was last heard from",
+     "seconds_since_heartbeat"),
+)
+
+
+class ArbiterCollector:
+    """prometheus_client collector over one snapshot of the arbiter (the same one /status
+    shows). A worker that is gone is not in the snapshot, so its gauges vanish with it."""
+
+    def __init__(self, snapshot: dict[str, Any], states: list[str]) -> None:
+        self.snapshot = snapshot
+        self.states = states
+
+    def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        snap = self.snapshot
+        state = GaugeMetricFamily("forkserve_state", "The arbiter's life-cycle state (one-hot)",
+                                  labels=["state"])
+        for name in self.states:
+            state.add_metric([name], 1.0 if name == snap["state"] else 0.0)
+        yield state
+        yield GaugeMetricFamily("forkserve_ready", "1 when /readyz answers 200",
+                                value=1.0 if snap["ready"] else 0.0)
+        yield GaugeMetricFamily("forkserve_generation", "Worker generation now serving",
+                                value=snap["generation"])
+        yield GaugeMetricFamily("forkserve_start_time_seconds",
+                                "When the arbiter started, in seconds since the epoch",
+                                value=snap["started"])
+        workers = GaugeMetricFamily("forkserve_workers", "Worker processes by state",
+                                    labels=["state"])
+        for name in WORKER_STATES:
+            workers.add_metric([name], sum(1 for w in snap["workers"] if w["state"] == name))
+        yield workers
+        for metric, help_text, key in PER_WORKER:
+            family = GaugeMetricFamily(metric, help_text, labels=["worker", "pid"])
+            for w in snap["workers"]:
+                family.add_metric([str(w["worker_id"]), str(w["pid"])], w[key])
+            yield family

@@ -2,7 +2,9 @@
 
 Owns: a small HTTP/1.1 server that lives in the arbiter's poll loop (non-blocking, one request
 per connection, bounded in size, time and count), so it answers while every worker is busy and
-through the whole drain, and stops last; and the arbiter's live gauges for ``/metrics``.
+through the whole drain, and stops last. (The arbiter's live gauges for ``/metrics`` are in
+:mod:`forkserve.metrics`; the stand-in that answers through an upgrade's exec, in
+:mod:`forkserve.standin`.)
 
 It never runs application code and never blocks the loop: requests are parsed with httptools
 (llhttp), answers are built from what the arbiter already knows, and output that does not fit
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import ipaddress
-import os
 import select
 import socket
 import time
@@ -355,126 +356,3 @@ def bind_status(address: str, reuse_port: bool, listen: bool = True) -> socket.s
         sock.close()
         raise
     return sock
-
-
-# -- the status stand-in (a child of the arbiter, during an in-place upgrade's exec) -------------
-# Between the old image's execve and the new image's status server, nobody would accept on the
-# status listener (Python start-up, imports, config: 150-500 ms, seconds under load): a
-# balancer's checks time out and it takes the only instance out while its workers serve
-# (issue 10). The stand-in, forked just before the exec, answers meanwhile from what the old
-# image knew at that moment. It holds only the status listener, the alive pipe's read end and
-# the log: never the main listeners, the counter pipe or the control socket.
-
-STAND_IN_LIFETIME = 10.0  # seconds: a new image that never comes must not leave it running
-STAND_IN_FINISH = 1.0  # seconds its accepted requests get once it is told to stop
-RETRY_AFTER = (("Retry-After", "1"),)
-
-
-OPENMETRICS_PATH = "/metrics (OpenMetrics)"  # the stand-in's key for that format's answer
-
-
-def run_stand_in(sock: socket.socket, wakeup_fd: int, alive_fd: int,
-                 answers: dict[str, Answer], log: Any,
-                 lifetime: float = STAND_IN_LIFETIME) -> int:
-    """Answer ``answers`` by path (anything else 503 with Retry-After) on ``sock`` until a byte
-    arrives on ``wakeup_fd`` (SIGTERM from the new image: its own status server listens now),
-    ``alive_fd`` ends (the arbiter is gone) or ``lifetime`` passes. Then stop accepting — what
-    is queued stays in the listener for the new image — answer what was accepted (bounded by
-    STAND_IN_FINISH) and return the exit code. One request per connection, as StatusServer."""
-    answered = 0
-    fallback: Answer = (503, "text/plain; charset=utf-8", b"upgrading; retry shortly\n",
-                        RETRY_AFTER)
-
-    def handler(method: str, path: str, headers: dict[bytes, bytes]) -> Answer:
-        nonlocal answered
-        answered += 1
-        if path == "/metrics" and b"application/openmetrics-text" in headers.get(b"accept", b""):
-            path = OPENMETRICS_PATH
-        return answers.get(path, fallback)
-
-    poller = select.poll()
-    server = StatusServer(sock, poller, handler, log)
-    poller.register(wakeup_fd, POLLIN)
-    poller.register(alive_fd, POLLIN)  # nobody writes: any event is its end (POLLHUP)
-    deadline = time.monotonic() + lifetime
-    reason = "its lifetime is over"
-    while True:
-        now = time.monotonic()
-        if now >= deadline:
-            break
-        client_deadline = server.next_deadline()
-        until = deadline if client_deadline is None else min(deadline, client_deadline)
-        ready = poller.poll(max(until - now, 0.0) * 1000.0 + 1)
-        fds = {fd for fd, _ in ready}
-        if wakeup_fd in fds:
-            reason = "the new image's status server listens"
-            break
-        if alive_fd in fds:
-            reason = "the arbiter is gone"
-            break
-        server.serve(ready, time.monotonic())
-    server.stop_listening()  # our copy only: the new image holds the listener and its queue
-    server.finish(time.monotonic() + STAND_IN_FINISH)
-    log.info("Upgrade: the status stand-in stopped", reason=reason, answered=answered)
-    return 0
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident set size of a process (0 when it is gone)."""
-    try:
-        with open(f"/proc/{pid}/statm", "rb") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-# -- /metrics: the arbiter's live numbers --------------------------------------------------------
-
-WORKER_STATES = ("booting", "running", "stopping", "draining")
-PER_WORKER = (
-    ("forkserve_active_connections", "Connections a worker holds open", "active_connections"),
-    ("forkserve_in_flight_requests",
-     "Requests in flight in a worker (from the first byte until the app's iterable is closed)",
-     "in_flight_requests"),
-    ("forkserve_background_tasks", "Background tasks queued or running in a worker",
-     "background_tasks"),
-    ("forkserve_worker_rss_bytes", "Resident memory of a worker", "rss_bytes"),
-    ("forkserve_worker_heartbeat_age_seconds", "Seconds since a worker was last heard from",
-     "seconds_since_heartbeat"),
-)
-
-
-class ArbiterCollector:
-    """prometheus_client collector over one snapshot of the arbiter (the same one /status
-    shows). A worker that is gone is not in the snapshot, so its gauges vanish with it."""
-
-    def __init__(self, snapshot: dict[str, Any], states: list[str]) -> None:
-        self.snapshot = snapshot
-        self.states = states
-
-    def collect(self) -> Any:
-        from prometheus_client.core import GaugeMetricFamily
-
-        snap = self.snapshot
-        state = GaugeMetricFamily("forkserve_state", "The arbiter's life-cycle state (one-hot)",
-                                  labels=["state"])
-        for name in self.states:
-            state.add_metric([name], 1.0 if name == snap["state"] else 0.0)
-        yield state
-        yield GaugeMetricFamily("forkserve_ready", "1 when /readyz answers 200",
-                                value=1.0 if snap["ready"] else 0.0)
-        yield GaugeMetricFamily("forkserve_generation", "Worker generation now serving",
-                                value=snap["generation"])
-        yield GaugeMetricFamily("forkserve_start_time_seconds",
-                                "When the arbiter started, in seconds since the epoch",
-                                value=snap["started"])
-        workers = GaugeMetricFamily("forkserve_workers", "Worker processes by state",
-                                    labels=["state"])
-        for name in WORKER_STATES:
-            workers.add_metric([name], sum(1 for w in snap["workers"] if w["state"] == name))
-        yield workers
-        for metric, help_text, key in PER_WORKER:
-            family = GaugeMetricFamily(metric, help_text, labels=["worker", "pid"])
-            for w in snap["workers"]:
-                family.add_metric([str(w["worker_id"]), str(w["pid"])], w[key])
-            yield family

@@ -22,8 +22,8 @@ from typing import Any, Iterator
 
 from forkserve import __version__
 from forkserve.lifecycle import Rollout, State
-from forkserve.metrics import RELOADS_HELP, RESTARTS_HELP
-from forkserve.status import ArbiterCollector, Answer, StatusServer, rss_bytes
+from forkserve.metrics import RELOADS_HELP, RESTARTS_HELP, ArbiterCollector, rss_bytes
+from forkserve.status import Answer, StatusServer
 from forkserve.systemd import status_line
 
 # Seconds a replacement's boot keeps the instance ready while no other worker serves (all of

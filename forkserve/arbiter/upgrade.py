@@ -29,7 +29,8 @@ from forkserve.counters import ExitCode
 from forkserve.handover import HandedListener, HandedWorker, Handover
 from forkserve.lifecycle import Rollout, State, Step
 from forkserve.metrics import ENV as METRICS_ENV
-from forkserve.status import OPENMETRICS_PATH, RETRY_AFTER, Answer, run_stand_in
+from forkserve.standin import OPENMETRICS_PATH, RETRY_AFTER, run_stand_in
+from forkserve.status import Answer
 from forkserve.arbiter.observe import json_answer
 from forkserve.arbiter.workers import WorkerHandle, describe_status
 
