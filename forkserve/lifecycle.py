@@ -10,6 +10,7 @@ happens by accident (the h11 way).
 from __future__ import annotations
 
 import enum
+from typing import TypeVar
 
 
 class State(enum.Enum):
@@ -63,11 +64,19 @@ class InvalidTransition(Exception):
     pass
 
 
-def next_state(state: State, event: Event) -> State:
+K = TypeVar("K", bound=enum.Enum)
+V = TypeVar("V", bound=enum.Enum)
+
+
+def _look_up(table: dict[tuple[K, V], K], state: K, event: V, what: str) -> K:
     try:
-        return TRANSITIONS[(state, event)]
+        return table[(state, event)]
     except KeyError:
-        raise InvalidTransition(f"no transition from {state.value} on {event.value}") from None
+        raise InvalidTransition(f"no {what} from {state.value} on {event.value}") from None
+
+
+def next_state(state: State, event: Event) -> State:
+    return _look_up(TRANSITIONS, state, event, "transition")
 
 
 def accepts(state: State, event: Event) -> bool:
@@ -121,10 +130,7 @@ ROLLOUT: dict[tuple[Rollout, Step], Rollout] = {
 
 
 def next_rollout(state: Rollout, step: Step) -> Rollout:
-    try:
-        return ROLLOUT[(state, step)]
-    except KeyError:
-        raise InvalidTransition(f"no rollout step from {state.value} on {step.value}") from None
+    return _look_up(ROLLOUT, state, step, "rollout step")
 
 
 # -- machine: pause (TTOU / TTIN, HAProxy's handoff protocol) -------------------------------------
@@ -157,7 +163,4 @@ PAUSE: dict[tuple[Pause, Cue], Pause] = {
 
 
 def next_pause(state: Pause, cue: Cue) -> Pause:
-    try:
-        return PAUSE[(state, cue)]
-    except KeyError:
-        raise InvalidTransition(f"no pause change from {state.value} on {cue.value}") from None
+    return _look_up(PAUSE, state, cue, "pause change")

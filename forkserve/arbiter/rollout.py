@@ -45,18 +45,26 @@ class Generations:
     def step(self, step: Step) -> None:
         self.rollout = next_rollout(self.rollout, step)
 
+    def coalesce(self, step: Step) -> None:
+        """A reload or upgrade asked for while another is in progress (or the first generation
+        boots): remembered, not dropped (a second `systemctl reload` during a deploy), and
+        carried out when that one is over; any number of them coalesce into one."""
+        if self.reloading():
+            self.step(step)  # the table's word: it stays as it is
+        what = "Reload" if step is Step.RELOAD else "Upgrade"
+        if step is Step.RELOAD:
+            self.reload_wanted = True
+        else:
+            self.upgrade_wanted = True
+        self.log.info(f"{what} requested during another reload or upgrade; coalesced, it "
+                      "follows once that one completes", state=self.state.value)
+
     def reload(self) -> None:
         if self.state not in (State.BOOTING, State.RUNNING):
             self.log.warning("Reload ignored: the server is stopping", state=self.state.value)
             return
         if self.state is State.BOOTING or self.reloading():
-            # Remembered, not dropped (a second `systemctl reload` during a deploy): carried
-            # out when this one is over; any number of them coalesce into one.
-            if self.reloading():
-                self.step(Step.RELOAD)  # the table's word: it stays as it is
-            self.reload_wanted = True
-            self.log.info("Reload requested during another reload or upgrade; coalesced, it "
-                          "follows once that one completes", state=self.state.value)
+            self.coalesce(Step.RELOAD)
             return
         try:
             new = resolve(self.cli_args, os.environ)

@@ -61,11 +61,7 @@ class Upgrade:
             self.log.warning("Upgrade ignored: the server is paused", state=self.state.value)
             return
         if self.state is State.BOOTING or self.reloading() or self.upgrade_check is not None:
-            if self.reloading():
-                self.step(Step.UPGRADE)  # the table's word: it stays as it is
-            self.upgrade_wanted = True
-            self.log.info("Upgrade requested during another reload or upgrade; coalesced, it "
-                          "follows once that one completes", state=self.state.value)
+            self.coalesce(Step.UPGRADE)
             return
         self.log.info("Upgrade requested: checking the new configuration and application")
         env = dict(os.environ)
