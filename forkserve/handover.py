@@ -70,8 +70,8 @@ class Handover:
         listeners = [HandedListener(**l) if isinstance(l, dict)
                      else HandedListener(int(l[0]), str(l[1]), bool(l[2]))
                      for l in data.get("listeners", [])]
-        return cls(listeners=listeners, counter=tuple(data["counter"]),  # type: ignore[arg-type]
-                   alive=tuple(data["alive"]), workers=workers,  # type: ignore[arg-type]
+        return cls(listeners=listeners, counter=(int(data["counter"][0]), int(data["counter"][1])),
+                   alive=(int(data["alive"][0]), int(data["alive"][1])), workers=workers,
                    generation=int(data["generation"]), wanted=list(data.get("wanted", [])),
                    signals=[int(s) for s in data.get("signals", [])],
                    status_fd=data.get("status_fd"), status_stand_in=data.get("status_stand_in"),
