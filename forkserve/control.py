@@ -76,7 +76,7 @@ class ControlServer:
 
     def accept(self) -> list[int]:
         """New clients; returns their fds for the caller's poller."""
-        fds = []
+        fds: list[int] = []
         while True:
             try:
                 client, _ = self.sock.accept()

@@ -70,4 +70,5 @@ def load_app(spec: str) -> Callable[..., Any]:
         obj = _call("_f" + attr[len(name):], obj, spec)
     if not callable(obj):
         raise AppLoadError(f"{spec!r} is not callable (got {type(obj).__name__})")
-    return obj
+    app: Callable[..., Any] = obj
+    return app

@@ -274,7 +274,7 @@ class Recorder:
             "forkserve_drain_cancelled_requests", {}, CANCELLED_HELP))
         self.cancelled_count = 0.0
         self.lock = threading.Lock() if threaded else None
-        if threaded:
+        if self.lock is not None:
             lock = self.lock
             record = self._record
 

@@ -81,8 +81,8 @@ def _tcp(host: str, port: int, backlog: int, reuse_port: bool = False) -> socket
         sock.listen(backlog)
     except OSError as exc:
         sock.close()
-        kind = AddressInUse if exc.errno == errno.EADDRINUSE else BindError
-        raise kind(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        error = AddressInUse if exc.errno == errno.EADDRINUSE else BindError
+        raise error(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     return sock
 
 
@@ -282,7 +282,7 @@ def _listeners_by_diag(family: int) -> list[tuple[str, int, int]]:
     request = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 1 << TCP_LISTEN) + bytes(48)
     header = struct.pack("=IHHII", 16 + len(request), SOCK_DIAG_BY_FAMILY,
                          NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
-    found = []
+    found: list[tuple[str, int, int]] = []
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
         nl.settimeout(1.0)
         nl.sendto(header + request, (0, 0))

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from forkserve.control import ControlServer
+from forkserve.arbiter.part import Part
 
 
 @dataclass(kw_only=True)
-class Commands:
+class Commands(Part):
     """The control socket (a mixin of :class:`forkserve.arbiter.Arbiter`)."""
 
     control: ControlServer | None = None

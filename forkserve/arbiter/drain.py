@@ -21,12 +21,13 @@ from typing import Iterator
 from forkserve.lifecycle import Event, State, accepts
 from forkserve.sockets import refuse_new_connections
 from forkserve.arbiter.workers import KILL_GRACE
+from forkserve.arbiter.part import Part
 
 PROGRESS_EVERY = 1.0  # seconds between "Draining in-flight connections" lines
 
 
 @dataclass(kw_only=True)
-class Drain:
+class Drain(Part):
     """How the server stops (a mixin of :class:`forkserve.arbiter.Arbiter`)."""
 
     deadline: float | None = None  # the drain deadline

@@ -27,13 +27,14 @@ from forkserve.sockets import (BindError, bind, holds_inode, holds_socket, other
                                refuse_new_connections, socket_inode, steer_new_connections_here,
                                still_listening)
 from forkserve.status import bind_status
+from forkserve.arbiter.part import Part
 
 RESUME_RETRY = 0.02  # seconds between binds while a TTIN waits for our paused workers' port
 RELEASE_GRACE = 0.5  # seconds of binds still failing once they let it go, before giving up
 
 
 @dataclass(kw_only=True)
-class Handoff:
+class Handoff(Part):
     """Ports handed over and taken back (a mixin of :class:`forkserve.arbiter.Arbiter`)."""
 
     pause_state: Pause = Pause.LISTENING

@@ -25,6 +25,7 @@ from forkserve.lifecycle import Rollout, State
 from forkserve.metrics import RELOADS_HELP, RESTARTS_HELP, ArbiterCollector, rss_bytes
 from forkserve.status import Answer, StatusServer
 from forkserve.systemd import status_line
+from forkserve.arbiter.part import Part
 
 # Seconds a replacement's boot keeps the instance ready while no other worker serves (all of
 # them recycled at once by --max-requests): clients wait in the queue that long at most.
@@ -34,7 +35,7 @@ FRESH_FOR = 0.05  # numbers this recent answer without asking again (a burst of 
 
 
 @dataclass(kw_only=True)
-class Observe:
+class Observe(Part):
     """Readiness, status and numbers (a mixin of :class:`forkserve.arbiter.Arbiter`)."""
 
     status_sock: Any = None  # the --status-bind listener (socket.socket), bound by the cli

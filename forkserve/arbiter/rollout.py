@@ -23,10 +23,11 @@ from forkserve.lifecycle import Event, Rollout, State, Step, next_rollout
 from forkserve.workers import worker_class
 from forkserve.workers.base import WorkerSettings
 from forkserve.arbiter.workers import MAX_RESPAWN_DELAY, WorkerHandle
+from forkserve.arbiter.part import Part
 
 
 @dataclass(kw_only=True)
-class Generations:
+class Generations(Part):
     """Reloads and generations (a mixin of :class:`forkserve.arbiter.Arbiter`)."""
 
     generation: int = 1  # the newest: the one spawned, booting or serving

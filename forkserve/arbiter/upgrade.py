@@ -33,12 +33,13 @@ from forkserve.standin import OPENMETRICS_PATH, RETRY_AFTER, run_stand_in
 from forkserve.status import Answer
 from forkserve.arbiter.observe import json_answer
 from forkserve.arbiter.workers import WorkerHandle, describe_status
+from forkserve.arbiter.part import Part
 
 STATUS_FINISH = 1.0  # seconds status requests in progress get before an upgrade's exec
 
 
 @dataclass(kw_only=True)
-class Upgrade:
+class Upgrade(Part):
     """USR2, both halves (a mixin of :class:`forkserve.arbiter.Arbiter`)."""
 
     inherited: Handover | None = None  # what the image we replaced handed over
@@ -225,7 +226,7 @@ class Upgrade:
         answers = self.stand_in_answers()
         pid = sigs.fork_with_signals_blocked()
         if pid == 0:  # the child: never returns into the arbiter's loop
-            code = ExitCode.ERROR
+            code: int = ExitCode.ERROR
             try:
                 keep = sorted({self.log.fd, server.fileno(), self.alive_r} - {0, 1, 2, -1})
                 for low, high in zip([2, *keep], [*keep, os.sysconf("SC_OPEN_MAX")]):

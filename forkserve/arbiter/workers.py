@@ -19,6 +19,7 @@ from typing import Iterator
 from forkserve import signals as sigs
 from forkserve.counters import ExitCode, Kind, Record
 from forkserve.lifecycle import State
+from forkserve.arbiter.part import Part
 
 KILL_GRACE = 2.0  # seconds between SIGABRT/SIGQUIT and SIGKILL for a worker that will not go
 MAX_RESPAWN_DELAY = 10.0
@@ -126,7 +127,7 @@ class WorkerHandle:
 
 
 @dataclass(kw_only=True)
-class WorkerTable:
+class WorkerTable(Part):
     """The arbiter's workers (a mixin of :class:`forkserve.arbiter.Arbiter`)."""
 
     workers: dict[int, WorkerHandle] = field(default_factory=dict)
@@ -240,14 +241,7 @@ class WorkerTable:
             # A worker writes its last record (BOOT_ERROR, RETIRING) and then exits: read the
             # pipe before judging the exit, or the record would come after its explanation.
             self.read_counters()
-            if self.upgrade_check is not None and pid == self.upgrade_check.pid:
-                self.upgrade_checked(status)
-                continue
-            if pid == self.stand_in:
-                self.stand_in = None
-                if status != 0:
-                    self.log.warning(f"Upgrade: the status stand-in {describe_status(status)}",
-                                     pid=pid)
+            if self.reaped_upgrade_child(pid, status):
                 continue
             handle = self.workers.pop(pid, None)
             if handle is not None:

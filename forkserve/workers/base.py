@@ -165,7 +165,7 @@ class Worker:
 
     def run_child(self) -> None:
         """Entered right after fork in the child; never returns."""
-        code = ExitCode.OK
+        code: int = ExitCode.OK
         try:
             self._close_inherited()
             self._post_fork()
