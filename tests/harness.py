@@ -396,3 +396,18 @@ class Gate:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def usr2_with_its_check_held(server_factory: Any, gates: Any, tmp_path: Path,
+                             *args: str) -> tuple["Server", Gate, Path]:
+    """A ready server on ``tests.apps.status:app`` that got a USR2 whose check (its import of
+    the app) now waits on a gate: (the server, the gate, the gate's path). Release the gate
+    and unlink the path to let the upgrade go on; the new image's workers then boot at once."""
+    boot = tmp_path / "boot"  # absent: the first generation boots at once
+    server = server_factory(*args, app="tests.apps.status:app",
+                            env={"STATUS_BOOT_GATE": str(boot)}).wait_ready()
+    gate = gates("boot")  # the upgrade's check imports the app: it waits here
+    server.signal(signal.SIGUSR2)
+    server.wait_log("Upgrade requested")
+    gate.wait_entered(20)
+    return server, gate, boot

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.integration.test_reload import pid_of, version_of
-from tests.harness import worker_set, Server, closed_without_response, get, read_response, refused, send_get, wait_for
+from tests.harness import worker_set, Server, closed_without_response, get, read_response, refused, send_get, usr2_with_its_check_held, wait_for
 from tests.load import Load
 
 APP = "tests.apps.reload:app"
@@ -311,14 +311,8 @@ def test_a_ttou_during_an_upgrades_check_calls_the_upgrade_off(server_factory: A
     """A successor's TTOU while USR2's check runs: the upgrade would exec into an image with
     no listeners of ours, binding the ports the successor is taking. It is called off (the
     check stopped, nothing re-executed); TTIN then resumes as after any pause."""
-    boot = tmp_path / "boot"  # absent: the first generation boots at once
-    server = server_factory("-k", worker_class, app="tests.apps.status:app",
-                            env={"STATUS_BOOT_GATE": str(boot)}).wait_ready()
+    server, gate, boot = usr2_with_its_check_held(server_factory, gates, tmp_path, "-k", worker_class)
     port = server.port
-    gate = gates("boot")  # the upgrade's check imports the app: it waits here
-    server.signal(signal.SIGUSR2)
-    server.wait_log("Upgrade requested")
-    gate.wait_entered(20)
     server.signal(signal.SIGTTOU)
     server.wait_log("Paused: not listening")
     server.wait_log("Upgrade abandoned: the server is paused")

@@ -32,7 +32,7 @@ import pytest
 import forkserve
 from forkserve.status import HEAD_TIMEOUT, MAX_CLIENTS
 from tests.harness import (ROOT, Response, Server, get, open_fds, parse_head, read_response,
-                           refused, send_get, wait_for, worker_set)
+                           refused, send_get, usr2_with_its_check_held, wait_for, worker_set)
 
 STATUS = ("--status-bind", "127.0.0.1:0")
 USAGE = 2
@@ -630,14 +630,8 @@ def test_status_client_accepted_before_usr2_exec_is_answered(server_factory: Any
     gate (its import of the app), so the client is accepted while the check runs and the
     exec follows the gate's release at once: the client's HEAD_TIMEOUT counts from its accept,
     never from the USR2, however long the check takes on a loaded machine."""
-    boot = tmp_path / "boot"  # absent: the first generation boots at once
-    server = server_factory(*STATUS, app="tests.apps.status:app",
-                            env={"STATUS_BOOT_GATE": str(boot)}).wait_ready()
+    server, gate, boot = usr2_with_its_check_held(server_factory, gates, tmp_path, *STATUS)
     port = server.status_port
-    gate = gates("boot")  # the upgrade's check imports the app: it waits here
-    server.signal(signal.SIGUSR2)
-    server.wait_log("Upgrade requested")
-    gate.wait_entered(20)
     with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
         accepted_at = time.monotonic()
         client_port = client.getsockname()[1]
