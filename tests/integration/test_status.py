@@ -200,13 +200,6 @@ def listener_inode(port: int) -> str:
     return inode
 
 
-def accepted_inode(server_port: int, client_port: int) -> str | None:
-    """The server side of an established connection from ``client_port``."""
-    found = [i for lp, rp, state, i in tcp_sockets()
-             if lp == server_port and rp == client_port and state == "01"]
-    return found[0] if found else None
-
-
 def socket_inodes(pid: int) -> set[str]:
     return {fd[len("socket:["):-1] for fd in open_fds(pid) if fd.startswith("socket:[")}
 
@@ -524,13 +517,12 @@ def test_workers_do_not_hold_the_status_listener_or_its_clients(server_factory: 
     # most three times; the check itself is never retried.
     checked = False
     for attempt in range(3):
-        with socket.create_connection(("127.0.0.1", server.status_port), timeout=5) as client:
-            client_port = client.getsockname()[1]
+        before = socket_inodes(server.pid)
+        with socket.create_connection(("127.0.0.1", server.status_port), timeout=5):
             accepted_at = time.monotonic()
-            client_inode = wait_for(
-                lambda: (i := accepted_inode(server.status_port, client_port)) is not None
-                and i in socket_inodes(server.pid) and i,
-                5, "the arbiter to accept the status client")
+            # Accepted: the one new socket among the arbiter's descriptors.
+            (client_inode,) = wait_for(lambda: socket_inodes(server.pid) - before, 5,
+                                       "the arbiter to accept the status client")
             server.signal(signal.SIGHUP)
             new = set(wait_for(lambda: (w := set(server.workers()) - pids) and len(w) == 2 and w,
                                10, "two new workers"))
@@ -632,12 +624,14 @@ def test_status_client_accepted_before_usr2_exec_is_answered(server_factory: Any
     never from the USR2, however long the check takes on a loaded machine."""
     server, gate, boot = usr2_with_its_check_held(server_factory, gates, tmp_path, *STATUS)
     port = server.status_port
+    before = socket_inodes(server.pid)
     with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
         accepted_at = time.monotonic()
-        client_port = client.getsockname()[1]
         client.sendall(b"GET /healthz HTTP/1.1\r\n")  # the rest comes after the exec
-        wait_for(lambda: (i := accepted_inode(port, client_port)) is not None
-                 and i in socket_inodes(server.pid), 5, "the arbiter to accept the status client")
+        # Accepted: a new socket among the arbiter's descriptors (nothing else opens one now;
+        # reading /proc/net/tcp instead took seconds beside a loaded suite's TIME_WAITs).
+        wait_for(lambda: socket_inodes(server.pid) - before, 5,
+                 "the arbiter to accept the status client")
         gate.release()
         boot.unlink()  # the new image's workers boot at once
         # The old image is about to exec: it answers the requests it accepted (up to 1 s)
