@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, MutableMapping
+from typing import Any, MutableMapping
 
 ENV = "FORKSERVE_UPGRADE_HANDOVER"
 
@@ -87,6 +87,3 @@ def take(environ: MutableMapping[str, str]) -> Handover | None:
     text = environ.pop(ENV, None)
     return Handover.loads(text) if text else None
 
-
-def peek(environ: Mapping[str, str]) -> bool:
-    return bool(environ.get(ENV))

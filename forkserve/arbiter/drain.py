@@ -82,7 +82,7 @@ class Drain(Part):
         when = time.monotonic() + self.config.cancel_grace
         for handle in self.workers.values():
             self.send(handle, signal.SIGUSR2)
-            self.escalate(handle, when, signal.SIGKILL)
+            handle.escalate(when, signal.SIGKILL)
         self.check_drained()
 
     def check_drained(self) -> None:
@@ -120,7 +120,7 @@ class Drain(Part):
         for handle in self.workers.values():
             handle.stopping = True
             self.send(handle, signal.SIGQUIT)
-            self.escalate(handle, now + KILL_GRACE, signal.SIGKILL)
+            handle.escalate(now + KILL_GRACE, signal.SIGKILL)
         self.check_gone()
 
     def check_gone(self) -> None:

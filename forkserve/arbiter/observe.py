@@ -101,7 +101,7 @@ class Observe(Part):
                                                    and self.rollout is Rollout.ADOPTING)
         if not serving or self.paused:
             return False
-        if any(h.booted and not h.stopping and not h.deaf for h in self.workers.values()):
+        if any(h.serves() for h in self.workers.values()):
             return True
         # Every worker is retiring (max-requests) or gone (a crash) at once, and their
         # replacements are booting: the listeners stay open and the queue is served in a

@@ -168,15 +168,12 @@ class WorkerTable(Part):
         extra = [h for h in self.current() if h.worker_id > self.config.worker_count]
         self.retire(extra)
 
-    def escalate(self, handle: WorkerHandle, when: float, signum: int) -> None:
-        handle.escalate(when, signum)
-
     def retire(self, handles: list[WorkerHandle]) -> None:
         """Stop workers gracefully, bounded: TERM now, QUIT after the drain timeout, then KILL."""
         when = time.monotonic() + self.config.drain_timeout
         self.signal_workers(signal.SIGTERM, handles)
         for handle in handles:
-            self.escalate(handle, when, signal.SIGQUIT)
+            handle.escalate(when, signal.SIGQUIT)
 
     def send(self, handle: WorkerHandle, signum: int) -> None:
         try:
