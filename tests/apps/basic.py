@@ -44,6 +44,13 @@ def _text(start_response, status, body, headers=()):
     return [data]
 
 
+def _json(start_response, data, status="200 OK"):
+    body = json.dumps(data).encode()
+    start_response(status, [("Content-Type", "application/json"),
+                            ("Content-Length", str(len(body)))])
+    return [body]
+
+
 def app(environ, start_response):
     path = environ["PATH_INFO"]
     q = _qs(environ)

@@ -18,31 +18,19 @@ Routes (parameters in the query string)
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from urllib.parse import parse_qs
 
 import requests
 
 import forkserve
+from tests.apps.basic import _json, _qs
 from tests.apps.drain import app as drain_app
-
-
-def _qs(environ):
-    return {k: v[0] for k, v in parse_qs(environ.get("QUERY_STRING", "")).items()}
 
 
 def _append(path, text):
     with open(path, "a", encoding="utf-8") as fh:
         fh.write(text + "\n")
-
-
-def _json(start_response, data, status="200 OK"):
-    body = json.dumps(data).encode()
-    start_response(status, [("Content-Type", "application/json"),
-                            ("Content-Length", str(len(body)))])
-    return [body]
 
 
 def app(environ, start_response):

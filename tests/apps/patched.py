@@ -20,7 +20,6 @@ Routes
 
 from __future__ import annotations
 
-import json
 import select
 import socket
 import ssl
@@ -29,11 +28,10 @@ import time
 from ssl import SSLContext, SSLSocket
 from threading import Lock, Thread, get_ident
 from time import sleep
-from urllib.parse import parse_qs
 
 import requests
 
-from tests.apps.basic import wait_gate  # stdlib only, looked up at call time: patched by then
+from tests.apps.basic import _json, _qs, wait_gate  # stdlib only; wait_gate looks its modules up at call time
 
 CAPTURED = {
     # (module, attribute): the object as this module saw it at import time
@@ -51,21 +49,14 @@ IMPORT_THREAD = threading.current_thread()
 SESSION = requests.Session()
 
 
-def _respond(start_response, data: dict, status: str = "200 OK"):
-    body = json.dumps(data).encode()
-    start_response(status, [("Content-Type", "application/json"),
-                            ("Content-Length", str(len(body)))])
-    return [body]
-
-
 def app(environ, start_response):
     from gevent import getcurrent, monkey
 
     path = environ["PATH_INFO"]
-    q = {k: v[0] for k, v in parse_qs(environ.get("QUERY_STRING", "")).items()}
+    q = _qs(environ)
     if path == "/patched":
         current = threading.current_thread()
-        return _respond(start_response, {
+        return _json(start_response, {
             "modules": {name: bool(monkey.is_module_patched(name))
                         for name in ("socket", "ssl", "threading", "time", "select")},
             "captured_original": {
@@ -81,15 +72,15 @@ def app(environ, start_response):
         })
     if path == "/ident":
         wait_gate(q["fifo"])
-        return _respond(start_response, {"ident": threading.get_ident(),
+        return _json(start_response, {"ident": threading.get_ident(),
                                          "greenlet": id(getcurrent()),
                                          "thread": threading.current_thread().name})
     if path == "/self":
         started = time.monotonic()
         response = SESSION.get(f"http://127.0.0.1:{q['port']}/", timeout=5)
-        return _respond(start_response, {"status": response.status_code,
+        return _json(start_response, {"status": response.status_code,
                                          "body": response.text,
                                          "seconds": time.monotonic() - started})
     if path == "/":
-        return _respond(start_response, {"hello": True})
-    return _respond(start_response, {"error": "not found"}, "404 Not Found")
+        return _json(start_response, {"hello": True})
+    return _json(start_response, {"error": "not found"}, "404 Not Found")
