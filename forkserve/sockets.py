@@ -406,3 +406,27 @@ def holds_inode(pid: int, inode: int) -> bool:
         except OSError:
             continue  # closed while we looked
     return False
+
+
+def accept_queue_length(listener: Listener) -> int | None:
+    """For a TCP listener, TCP_INFO's ``tcpi_unacked`` is the accept queue's length (Linux);
+    None where it is unknown (a unix socket, a closed one)."""
+    if listener.sock.family not in (socket.AF_INET, socket.AF_INET6) or listener.sock.fileno() < 0:
+        return None
+    try:
+        info = listener.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    except OSError:
+        return None
+    return int(struct.unpack_from("I", info, 24)[0])
+
+
+def queued_clients(listeners: list[Listener]) -> int:
+    """How many clients wait in these listeners' accept queues now: what a stopping worker
+    may still take. Where a queue's length is unknown (a unix socket), its backlog bound."""
+    total = 0
+    for listener in listeners:
+        length = accept_queue_length(listener)
+        if length is None:
+            length = 0 if listener.sock.fileno() < 0 else socket.SOMAXCONN
+        total += length
+    return total

@@ -15,8 +15,6 @@ import os
 import random
 import select
 import signal
-import socket
-import struct
 import time
 from dataclasses import dataclass, fields
 from typing import Any, Callable, ClassVar
@@ -136,13 +134,9 @@ class Worker:
         self.spans: Sinks | None = None
         self.pool: BackgroundPool | None = None
         self.in_request = False
-        self.busy = False  # inside a connection (the loop cannot act on a signal right now)
         self.cancellable: RequestContext | None = None  # the request a cancel would hit
-        self.parked: list[Any] = []  # idle keep-alive connections set aside (sync worker)
         self.drain_reported = True  # the arbiter has our DRAINING record (see _on_graceful)
         self.pause_requested = False  # TTOU: the loop serves the queue, then stops listening
-        self.queue_watch = False  # SIGALRM re-checks the accept queue (see _watch_queue)
-        self.listeners_changed = False  # a handler closed a listener: the loop must forget it
         self.timed_out = False
         self.retire_reason = ""
         # Heartbeats: often enough that the arbiter's timeout has several to see.
@@ -273,28 +267,17 @@ class Worker:
 
     # -- signal handlers ------------------------------------------------------------------
     # -- runs in a signal handler: record and wake the loop (the wakeup fd does that). The
-    # documented exceptions, each needed because a busy sync worker's loop cannot act until
-    # its request ends:
+    # documented exceptions, each needed because a busy worker's loop cannot act until its
+    # request ends:
     #  - SIGWINCH (the arbiter's status asks) writes one atomic record of our counters;
     #  - TERM writes one atomic record (the arbiter learns this worker's live counters at
-    #    once), half-closes parked idle keep-alive connections quiet for the close grace, and,
-    #    when the worker is inside a connection and its accept queues are empty,
-    #    closes its own listening sockets, so new clients are refused now, not at the end of
-    #    this request (no queued client can be reset: the queues are empty);
-    #  - ALRM (while a busy worker waits for its queue to empty at a stop) closes its
-    #    listeners once the queue is empty, as TERM does when it is empty at once;
+    #    once); the sync worker also releases its listeners and parked connections there
+    #    (see SyncWorker._on_graceful), and ALRM goes on doing so while it stays busy;
     #  - USR2 (the drain deadline) raises RequestCancelled inside the live request;
     #  - QUIT and the arbiter's timeout kill raise HardStop inside the live request.
     def _on_graceful(self, signum: int, frame: Any) -> None:
         self._enter(WorkerEvent.STOP)
         self.drain_reported = self.counters.draining()
-        self.close_quiet_parked()
-        self._release_listeners()
-
-    def close_quiet_parked(self) -> None:
-        """Parked idle keep-alive connections (sync worker) that have been quiet for the close
-        grace and have nothing waiting are closed now (the client sees the end at once); the
-        others are answered or closed by the loop once the request in progress is done."""
 
     def _on_report(self, signum: int, frame: Any) -> None:
         """SIGWINCH: the arbiter wants live numbers (status); one atomic record, as on TERM."""
@@ -303,49 +286,6 @@ class Worker:
     def _on_pause(self, signum: int, frame: Any) -> None:
         """TTOU: stop listening (serve what is queued first), keep serving connections."""
         self.pause_requested = True
-        self._release_listeners()
-
-    def _release_listeners(self) -> None:
-        still_queued = False
-        if self.busy:
-            for listener in self.listeners:
-                if listener.sock.fileno() < 0:
-                    continue
-                length = accept_queue_length(listener)
-                if length == 0:
-                    listener.sock.close()
-                    self.listeners_changed = True
-                elif length is not None:
-                    still_queued = True
-                # A unix socket's queue cannot be measured: the loop drains it after the
-                # request (no alarms for it, which would only interrupt the app's calls).
-        self._watch_queue(still_queued or self.parked_to_close())
-
-    def parked_to_close(self) -> bool:
-        """Idle connections (sync worker: parked) the stop is to close while this worker is
-        busy, once their close grace is over (the alarms below look again)."""
-        return False
-
-    def _watch_queue(self, on: bool) -> None:
-        """A busy sync worker whose accept queue still held clients at the stop looks again
-        every 0.1 s (SIGALRM): once the other workers have taken them it closes its copy of
-        the listener, so that new clients are refused rather than left retrying their SYNs
-        against a queue that refuses them until this worker's request ends; and it closes its
-        parked idle connections once their close grace is over. Only where the application
-        leaves SIGALRM alone."""
-        if on and not self.queue_watch:
-            if signal.getsignal(signal.SIGALRM) is not signal.SIG_DFL:
-                return  # the application's own: leave it (the loop closes after the request)
-            signal.signal(signal.SIGALRM, self._on_alarm)
-            signal.setitimer(signal.ITIMER_REAL, 0.1, 0.1)
-            self.queue_watch = True
-        elif not on and self.queue_watch:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)
-            self.queue_watch = False
-
-    def _on_alarm(self, signum: int, frame: Any) -> None:
-        self._release_listeners()
 
     def _on_cancel(self, signum: int, frame: Any) -> None:
         self._enter(WorkerEvent.CANCEL)
@@ -474,30 +414,6 @@ def drain_pipe(fd: int) -> None:
             continue
     except BlockingIOError:
         return
-
-
-def accept_queue_length(listener: Listener) -> int | None:
-    """For a TCP listener, TCP_INFO's ``tcpi_unacked`` is the accept queue's length (Linux);
-    None where it is unknown (a unix socket, a closed one)."""
-    if listener.sock.family not in (socket.AF_INET, socket.AF_INET6) or listener.sock.fileno() < 0:
-        return None
-    try:
-        info = listener.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
-    except OSError:
-        return None
-    return int(struct.unpack_from("I", info, 24)[0])
-
-
-def queued_clients(listeners: list[Listener]) -> int:
-    """How many clients wait in these listeners' accept queues now: what a stopping worker
-    may still take. Where a queue's length is unknown (a unix socket), its backlog bound."""
-    total = 0
-    for listener in listeners:
-        length = accept_queue_length(listener)
-        if length is None:
-            length = 0 if listener.sock.fileno() < 0 else socket.SOMAXCONN
-        total += length
-    return total
 
 
 def _set_title(title: str) -> None:

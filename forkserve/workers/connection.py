@@ -8,6 +8,7 @@ kernel says EAGAIN: a ready socket costs one syscall, not a poll plus the call (
 
 from __future__ import annotations
 
+import enum
 import os
 import select
 import socket
@@ -36,14 +37,28 @@ class Abandoned(Exception):
     sent its request yet at drain start, or anything still waiting at the cancel)."""
 
 
+class Phase(enum.Enum):
+    """Where a connection is in its requests. Only the connection's own methods change it."""
+
+    IDLE = "idle"  # accepted, or kept alive after a response: nobody is reading from it
+    AWAITING = "awaiting a request"  # reading a head, none of it here yet: a stop may cut this short
+    HEAD = "reading a request head"  # some of it here (or it was bad, late or cut off)
+    REQUEST = "serving a request"  # ``exchange`` is set
+    CLOSED = "closed"
+
+
+IDLE, AWAITING, HEAD, REQUEST, CLOSED = Phase
+
+
 class Connection:
-    __slots__ = ("sock", "fd", "remote", "parser", "io_timeout", "exchange",
-                 "continue_sent", "received", "_poll", "closed", "should_close", "released",
-                 "interrupt_fd", "interrupted", "reading_head", "served", "cutoff", "owner",
-                 "waiting", "idle_since", "output_ended")
+    __slots__ = ("sock", "fd", "remote", "parser", "io_timeout", "exchange", "phase",
+                 "continue_sent", "_poll", "should_close", "released", "interrupt_fd",
+                 "interrupted", "served", "cutoff", "owner", "waiting", "idle_since",
+                 "output_ended")
 
     def __init__(self, sock: socket.socket, remote: tuple[str, str], limits: Limits,
-                 io_timeout: float, interrupt_fd: int = -1,
+                 io_timeout: float, should_close: Callable[[], bool] | None = None,
+                 interrupt_fd: int = -1,
                  interrupted: Callable[[Connection], bool] | None = None) -> None:
         sock.setblocking(False)
         self.sock = sock
@@ -51,29 +66,78 @@ class Connection:
         self.remote = remote
         self.parser = RequestParser(limits)
         self.io_timeout = io_timeout
-        self.exchange: Exchange | None = None
+        self.phase = IDLE
+        self.exchange: Exchange | None = None  # the request being served (phase REQUEST)
         self.continue_sent = False
-        self.received = False  # any byte of the current request head seen
         self._poll: select.poll | None = None
-        self.closed = False
-        self.released = False  # finish_request() ended the response early
-        # Waits also watch interrupt_fd (the worker's signal wakeup pipe); when it fires,
-        # interrupted(self) says whether to abandon the wait.
+        # Asked as a response head is written (wsgi.Exchange): close after this response?
+        self.should_close = should_close or _never
+        self.released = False  # finish_request() ended the response early (see release)
+        # Waits also watch interrupt_fd (the worker's signal wakeup pipe, or its stop pipe);
+        # when it fires, interrupted(self) says whether to abandon the wait.
         self.interrupt_fd = interrupt_fd
         self.interrupted = interrupted
-        self.reading_head = False
         self.served = 0  # requests answered on this connection
-        self.owner: Any = None  # the greenlet or thread serving it (gevent and thread workers)
+        self.owner: Any = None  # the worker's: the greenlet or thread serving it
         self.waiting = False  # inside _wait: the thread worker's stop pipe reaches it there
         self.cutoff: float | None = None  # a stopping worker's limit on this wait (Abandoned)
         self.idle_since = 0.0  # monotonic time the last response ended (keep-alive idle)
         self.output_ended = False  # end_output() was called: nothing more can be sent
-        self.should_close = _never
 
     @property
     def events(self) -> int:
         """How many parser events wait: non-zero when a pipelined request is already here."""
         return self.parser.pending()
+
+    @property
+    def received(self) -> bool:
+        """Some of the current request head is here (its wait ended: it was bad, or late)."""
+        return self.phase is HEAD
+
+    @property
+    def awaiting_request(self) -> bool:
+        """Waiting for a request's first byte, with no stop cutoff yet."""
+        return self.phase is AWAITING and self.cutoff is None
+
+    @property
+    def in_request(self) -> bool:
+        return self.phase is REQUEST
+
+    @property
+    def closed(self) -> bool:
+        return self.phase is CLOSED
+
+    # -- the phases --------------------------------------------------------------------
+    def cut_off(self, at: float) -> None:
+        """A stopping worker waits for this request's first byte until ``at`` (Abandoned)."""
+        self.cutoff = at
+
+    def begin(self, exchange: Exchange) -> None:
+        self.phase = REQUEST
+        self.exchange = exchange
+
+    def end_request(self) -> None:
+        """The request is answered: the connection idles (kept alive) until its next one."""
+        self.exchange = None
+        self.served += 1
+        self.idle_since = time.monotonic()
+        if self.phase is REQUEST:
+            self.phase = IDLE
+
+    def release(self) -> None:
+        """finish_request(): the client sees the end of its response now; the app runs on,
+        and the connection serves nothing more."""
+        self.end_output()
+        self.released = True
+
+    def await_request(self, deadline: float) -> None:
+        """Between requests, in the connection's own greenlet (gevent worker): until the
+        client sends (Timeout; Abandoned at a stop, past its grace: see cut_off)."""
+        self.phase = AWAITING
+        try:
+            self._wait(select.POLLIN, deadline)
+        finally:
+            self.phase = IDLE
 
     # -- waiting -------------------------------------------------------------------------
     def _wait(self, flag: int, deadline: float) -> None:
@@ -95,7 +159,7 @@ class Connection:
             now = time.monotonic()
             # A stop's cutoff bounds only the wait for a request's first byte: a request that
             # arrived within the grace is served to its end (its body, a slow reader).
-            cutoff = self.cutoff if self.reading_head and not self.received else None
+            cutoff = self.cutoff if self.phase is AWAITING else None
             if cutoff is not None and now >= cutoff:
                 raise Abandoned()
             remaining = min(deadline, cutoff or deadline) - now
@@ -126,10 +190,6 @@ class Connection:
         poller.register(self.fd, select.POLLIN)
         return bool(poller.poll(0))
 
-    def wait_readable(self, deadline: float) -> None:
-        """Until the client sends something (Timeout, Abandoned at a stop)."""
-        self._wait(select.POLLIN, deadline)
-
     # -- reading -------------------------------------------------------------------------
     def recv(self, deadline: float) -> bool:
         """Read once and feed the parser. False at EOF. Raises Timeout, HTTPError."""
@@ -143,7 +203,8 @@ class Connection:
                 return False
             if not data:
                 return False
-            self.received = True
+            if self.phase is AWAITING:
+                self.phase = HEAD
             try:
                 self.parser.feed(data)
             except HTTPError as exc:
@@ -154,14 +215,11 @@ class Connection:
         """The next request's head, or None when the client closed before sending one."""
         parser = self.parser
         pending = parser.pending
-        self.received = bool(pending())
-        self.reading_head = True
-        try:
-            while not pending():
-                if not self.recv(deadline):
-                    return None
-        finally:
-            self.reading_head = False
+        # Left as it ends (HEAD or AWAITING) when the wait fails: its handler asks `received`.
+        self.phase = HEAD if pending() else AWAITING
+        while not pending():
+            if not self.recv(deadline):
+                return None
         head = parser.next_event()
         self.cutoff = None  # a request is here: the next wait for one gets its own grace
         if type(head) is not Request:
@@ -279,9 +337,10 @@ class Connection:
         error paths we shut our side down, read and drop for a moment, then close, as Apache's
         lingering close does.
         """
-        if self.closed:
+        if self.phase is CLOSED:
             return
-        self.closed = True
+        self.phase = CLOSED
+        self.exchange = None
         try:
             if linger:
                 self._linger()

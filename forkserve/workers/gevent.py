@@ -1,5 +1,5 @@
 """The gevent worker: one greenlet per connection, up to ``--worker-connections`` (and
-``--max-connections``) at once, with the sync worker's request handling and the same drain.
+``--max-connections``) at once, with the request pipeline and drain all workers share.
 
 Owns: monkey-patching (first thing after fork, before the application is imported: an app
 that imported ``ssl`` or ``threading`` unpatched is gunicorn's classic gevent bug), the
@@ -28,7 +28,7 @@ from forkserve.context import RequestCancelled
 from forkserve.sockets import Listener
 from forkserve.workers.base import HardStop, WorkerEvent, WorkerState, drain_pipe
 from forkserve.workers.connection import Abandoned, Connection
-from forkserve.workers.sync import SyncWorker
+from forkserve.workers.pipeline import Pipeline, stop_grace_end
 
 RUNNING = WorkerState.RUNNING
 
@@ -37,8 +37,13 @@ class _Wake(Exception):
     """Thrown into an acceptor to make it look at the worker's state again."""
 
 
-class GeventWorker(SyncWorker):
+class GeventWorker(Pipeline):
     multithread = False  # greenlets: wsgi.multithread stays False, as gunicorn's gevent worker
+    # Waits on a client watch the stop pipe, written once when the worker stops: the wait
+    # itself applies the stop's graces (no kill racing a request that just arrived). A
+    # request in the application is cancelled by its greenlet's kill (_g_cancel).
+    stop_pipes = True
+    kills_requests = True
 
     def _post_fork(self) -> None:
         from gevent import monkey
@@ -62,27 +67,7 @@ class GeventWorker(SyncWorker):
             gevent.signal_handler(signum, handler)
 
     # -- serving -----------------------------------------------------------------------------
-    def open_connection(self, sock: socket.socket, remote: tuple[str, str]) -> Connection:
-        # Waits on a client also watch the stop pipe, written once when the worker stops: the
-        # wait itself applies the stop's graces (no kill racing a request that just arrived).
-        conn = Connection(sock, remote, self.settings.limits, self.settings.header_timeout,
-                          self.stop_r, self._stop_interrupted)
-        conn.should_close = self._should_close
-        conn.owner = self._gevent.getcurrent()
-        return conn
-
-    def _stop_interrupted(self, conn: Connection) -> bool:
-        """The stop (or the cancel) pipe fired while this connection waited on its client."""
-        state = self.state
-        if conn.exchange is None and (state is WorkerState.CANCELLED or state is WorkerState.HALTING):
-            return True  # waiting for a request head at the deadline: nothing more is taken
-        # A request in the application is cancelled by its greenlet's kill (_g_cancel).
-        if state is not RUNNING:
-            self.stop_cutoff(conn)
-        self.next_interrupt(conn)
-        return False
-
-    def _should_close(self) -> bool:
+    def should_close(self) -> bool:
         return self.state is not RUNNING or self.settings.keepalive <= 0
 
     def serve(self) -> None:
@@ -90,7 +75,6 @@ class GeventWorker(SyncWorker):
         from gevent.pool import Pool
 
         self.setup_http()
-        self.open_stop_pipes()
         limit = min(self.worker_connections, self.max_connections or self.worker_connections)
         self.conn_pool = Pool(limit)
         self.acceptors = [gevent.spawn(self._acceptor, listener) for listener in self.listeners]
@@ -137,7 +121,7 @@ class GeventWorker(SyncWorker):
                 self.state is RUNNING and self.pause_requested):
             self._accept_ready(listener)
         elif self.state is WorkerState.CANCELLED:
-            self._turn_away_queue([listener])
+            self.turn_away_queue([listener])
         listener.sock.close()
 
     def _accept_ready(self, listener: Listener) -> None:
@@ -150,38 +134,35 @@ class GeventWorker(SyncWorker):
                 return  # --worker-connections reached: the rest wait in the backlog
 
     def _serve_connection(self, sock: socket.socket, addr: Any, listener: Listener) -> None:
+        conn = self.open_connection(sock, addr)
+        conn.owner = self._gevent.getcurrent()
+        self.admit(conn)
         try:
-            self._handle(sock, addr, listener)
+            self.keep_serving(conn, listener)
         except (HardStop, Abandoned, RequestCancelled):
             return  # thrown in by a stop, a drain or a cancel: the connection is already closed
 
-    def _wait_idle(self, conn: Connection) -> bool:
-        """Between requests: wait for the client in this greenlet, marked idle for the drain
-        (which lets a request that arrives within the close grace in, see stop_cutoff)."""
+    def wait_idle(self, conn: Connection) -> bool:
+        """Between requests: wait for the client in this greenlet, as for a request's first
+        byte (so a stop lets a request that arrives within the close grace in, see
+        stop_cutoff)."""
         keepalive = self.settings.keepalive
         if keepalive <= 0 or self.state is WorkerState.CANCELLED or self.state is WorkerState.HALTING:
             return False
-        conn.received = False
-        conn.reading_head = True
         try:
             if self.state is not RUNNING:
-                self.stop_cutoff(conn)
-            conn.wait_readable(conn.idle_since + keepalive)
+                conn.cut_off(stop_grace_end(conn, self.stop_began()))
+            conn.await_request(conn.idle_since + keepalive)
             return True
         except Exception:  # Timeout, or Abandoned at the drain: the connection ends, unless
             # its next request is already here (then: answered, with Connection: close).
             return self.state is not WorkerState.CANCELLED and conn.readable_now()
-        finally:
-            conn.reading_head = False
 
     def _ticker(self) -> None:
         """Heartbeats and telemetry writes, once per heartbeat interval."""
         while True:
             self._gevent.sleep(self.heartbeat_interval)
-            if self.access_log is not None:
-                self.access_log.flush()
-            if self.spans is not None:
-                self.spans.flush()
+            self.write_telemetry()
             self.heartbeat(time.monotonic())
 
     def _watch_arbiter(self) -> None:
@@ -206,7 +187,7 @@ class GeventWorker(SyncWorker):
         self._enter(WorkerEvent.STOP)
         self.drain_reported = self.counters.draining()
         self._wake_acceptors()
-        # Every wait on a client wakes and applies the stop's graces itself (_stop_interrupted).
+        # Every wait on a client wakes and applies the stop's graces itself (Pipeline.interrupted).
         self.signal_stop()
         self.told_to_stop.set()
 
@@ -217,10 +198,7 @@ class GeventWorker(SyncWorker):
         if self.counters.in_flight_requests == 0:
             # Nothing else in flight: the worker is about to go idle, so write telemetry now
             # (as the sync worker does before it waits); under load the ticker batches it.
-            if self.access_log is not None:
-                self.access_log.flush()
-            if self.spans is not None:
-                self.spans.flush()
+            self.write_telemetry()
 
     def _on_term(self, signum: int, frame: Any) -> None:
         # -- runs in a signal handler: record the state, let a greenlet do the rest.
@@ -230,10 +208,10 @@ class GeventWorker(SyncWorker):
     def _g_cancel(self) -> None:
         self._enter(WorkerEvent.CANCEL)
         self._wake_acceptors()
-        self.signal_stop(cancel=True)  # waits for a request head end (_stop_interrupted)
+        self.signal_stop(cancel=True)  # waits for a request head end (Pipeline.interrupted)
         self.told_to_stop.set()
         for conn in list(self.connections):
-            if conn.exchange is not None or conn.released:
+            if conn.in_request or conn.released:
                 self._cancel(conn)
 
     def _cancel(self, conn: Connection) -> None:

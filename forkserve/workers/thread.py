@@ -31,41 +31,21 @@ import time
 from typing import Any
 
 from forkserve.context import RequestCancelled
-from forkserve.http import HTTPError
 from forkserve.sockets import Listener
 from forkserve.workers.base import WorkerEvent, WorkerState, drain_pipe
-from forkserve.workers.connection import Abandoned, Connection, Timeout
-from forkserve.workers.sync import SyncWorker, remote_of, stop_grace_end
+from forkserve.workers.connection import Abandoned, Connection
+from forkserve.workers.pipeline import Ending, Pipeline, stop_grace_end
 from forkserve.wsgi import ClientGone
 
 POLLIN = select.POLLIN
 RUNNING = WorkerState.RUNNING
 
 
-class ThreadWorker(SyncWorker):
+class ThreadWorker(Pipeline):
     multithread = True
+    stop_pipes = True  # waits in pool threads watch the stop pipe, written once at the stop
 
-    def open_connection(self, sock: Any, remote: tuple[str, str]) -> Connection:
-        # Waits in pool threads also watch the stop pipe, written once when the worker stops.
-        conn = Connection(sock, remote, self.settings.limits, self.settings.header_timeout,
-                          self.stop_r, self._thread_interrupted)
-        conn.should_close = self._should_close
-        return conn
-
-    def _thread_interrupted(self, conn: Connection) -> bool:
-        """-- runs in a pool thread: the stop pipe fired while this connection waited."""
-        state = self.state
-        if state is WorkerState.CANCELLED and conn.exchange is not None:
-            # A request reading its body: cancelled like one in the app.
-            raise RequestCancelled("cancelled: the drain timeout passed")
-        if state is WorkerState.CANCELLED or state is WorkerState.HALTING:
-            return True
-        if state is not RUNNING:
-            self.stop_cutoff(conn)
-        self.next_interrupt(conn)
-        return False
-
-    def _should_close(self) -> bool:
+    def should_close(self) -> bool:
         """-- runs in a pool thread. A stop signal may have been taken by this very thread's C
         handler while the main thread, which runs the Python handler, is not yet scheduled:
         a byte waiting in the wakeup pipe counts as a possible stop (at worst, one needless
@@ -89,7 +69,6 @@ class ThreadWorker(SyncWorker):
         self.work: queue.SimpleQueue[tuple[Connection, Listener] | None] = queue.SimpleQueue()
         self.back: queue.SimpleQueue[tuple[Connection, Listener]] = queue.SimpleQueue()
         self.back_r, self.back_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.open_stop_pipes()
         self.signal_polls = threading.local()
         self.pool_threads = [threading.Thread(target=self._run, name=f"forkserve-request-{i}",
                                               daemon=True) for i in range(threads)]
@@ -139,7 +118,7 @@ class ThreadWorker(SyncWorker):
                 return
             if state is WorkerState.HALTING:
                 return
-            self._idle()
+            self.before_waiting()
             now = time.monotonic()
             timeout = self.heartbeat_interval
             if self.idle:
@@ -165,10 +144,8 @@ class ThreadWorker(SyncWorker):
             accepted = self.accept_from(listener)
             if accepted is None:
                 return
-            sock, addr = accepted
-            conn = self.open_connection(sock, remote_of(addr))
-            self.counters.active_connections += 1
-            self.connections.add(conn)
+            conn = self.open_connection(*accepted)
+            self.admit(conn)
             # A thread takes it once its client has sent something: a client that connects
             # ahead of time (browsers, Go's and other pools do) must not hold a thread while
             # the clients that did send wait behind it.
@@ -194,7 +171,7 @@ class ThreadWorker(SyncWorker):
                 if listener.sock.fileno() < 0:
                     continue
                 if state is WorkerState.CANCELLED:
-                    self._turn_away_queue([listener])
+                    self.turn_away_queue([listener])
                 elif state is WorkerState.STOPPING and self.takes_queue(listener) or (
                         state is RUNNING and self.pause_requested):
                     self.limit = 1 << 30  # the queue is served whatever the limit
@@ -246,14 +223,7 @@ class ThreadWorker(SyncWorker):
                     self._release(conn)
 
     def _release(self, conn: Connection, linger: bool = False) -> None:
-        if conn.closed:
-            return  # already ended (see _run: a cancel that landed after the hand-back)
-        conn.close(linger)
-        self.connections.discard(conn)
-        if not conn.released:  # finish_request() already counted it out
-            self.counters.active_connections -= 1
-        self.report()
-        if threading.get_ident() != self.main_ident:
+        if self.release(conn, linger) and threading.get_ident() != self.main_ident:
             self._wake_main()  # a stopping worker leaves when its last connection is gone
 
     def _wake_main(self) -> None:
@@ -282,51 +252,19 @@ class ThreadWorker(SyncWorker):
         """Serve a connection whose client sent something; hand it back or end it."""
         conn.owner = threading.get_ident()
         try:
-            keep = self._serve_ready(conn, listener)
+            ending = self.serve_connection(conn, self.environs[id(listener)])
         except (RequestCancelled, Abandoned, ClientGone):
-            keep = False
+            ending = Ending.CLOSE
         except Exception as exc:  # never lose a pool thread to one connection
             self.log.exception("Connection failed", exc, worker=self.worker_id)
-            keep = False
+            ending = Ending.CLOSE
         conn.owner = None
-        if keep:
+        if ending is Ending.IDLE:
+            # Back to the main thread, which watches it (and applies a stop's grace).
             self.back.put((conn, listener))
             self._wake_main()
         else:
-            # Linger only where the client may still be sending (a refused request, a
-            # body the app did not read, pipelined bytes): closing then would reset it. A
-            # request read to its end leaves nothing (lingering would hold the connection,
-            # and so the drain, until the client closes: up to 1 s).
-            self._release(conn, linger=conn.received and conn.has_unread())
-
-    def _serve_ready(self, conn: Connection, listener: Listener) -> bool:
-        """Serve what the client sent; True to hand the connection back as idle."""
-        base = self.environs[id(listener)]
-        header_timeout = self.settings.header_timeout
-        while True:
-            try:
-                request = conn.read_head(time.monotonic() + header_timeout)
-            except HTTPError as exc:
-                self._refuse(conn, exc.status, exc.reason)
-                return False
-            except Timeout:
-                if conn.received:
-                    self._refuse(conn, 408, "Request Timeout")
-                return False
-            except Abandoned:
-                if conn.received:
-                    self._refuse(conn, 503, "Service Unavailable")
-                elif self.state is WorkerState.STOPPING and conn.readable_now():
-                    continue  # its request arrived just now: answer it
-                return False
-            if request is None:
-                return False
-            keep = self._serve(conn, request, base)
-            conn.served += 1
-            if not keep:
-                return False
-            if not conn.events:
-                return True  # idle: back to the main thread (which applies a stop's grace)
+            self._release(conn, linger=ending is Ending.LINGER)
 
     # -- cancellation ------------------------------------------------------------------------
     def _on_cancel(self, signum: int, frame: Any) -> None:
@@ -337,7 +275,7 @@ class ThreadWorker(SyncWorker):
             ident = conn.owner
             # A thread waiting on its client (conn.waiting) is ended by the stop pipe; one in
             # the application gets the exception (a second one would cut its 503 short).
-            if ident is not None and conn.exchange is not None and not conn.waiting:
+            if ident is not None and conn.in_request and not conn.waiting:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident),
                                                            ctypes.py_object(RequestCancelled))
         # Only now: a thread the pipe wakes from a wait (a body read) raises RequestCancelled

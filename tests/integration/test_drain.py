@@ -25,7 +25,7 @@ from urllib.parse import urlencode
 
 import pytest
 
-from forkserve.workers.sync import KEEPALIVE_CLOSE_GRACE
+from forkserve.workers.pipeline import KEEPALIVE_CLOSE_GRACE
 
 from tests.harness import (Gate, Server, closed_without_response, get, open_fds, read_head,
                            read_json_file, read_response,

@@ -1,4 +1,4 @@
-"""The stop's grace for a connection waiting on its client (forkserve.workers.sync.stop_grace_end)."""
+"""The stop's grace for a connection waiting on its client (forkserve.workers.pipeline.stop_grace_end)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from forkserve.http.parser import Limits
 from forkserve.workers.connection import Connection
-from forkserve.workers.sync import KEEPALIVE_CLOSE_GRACE, NEW_CONNECTION_GRACE, stop_grace_end
+from forkserve.workers.pipeline import KEEPALIVE_CLOSE_GRACE, NEW_CONNECTION_GRACE, stop_grace_end
 
 
 @pytest.fixture

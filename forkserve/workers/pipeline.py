@@ -1,0 +1,451 @@
+"""The request pipeline every worker class shares, written once.
+
+Owns: a connection's life in a worker (admitted, its requests read and served, released),
+one request's run through the application (environ, context, the app, its body, the access
+log and metrics), the answers the server gives itself (a refusal for a bad or slow request, a
+500 or 503 when the app fails or is cancelled, a 503 to a client still queued past the drain
+deadline), and the stop's policy for a wait on a client (how long a stopping worker still
+waits for a request, and when a wait is given up).
+
+Not here: who waits on what. ``sync.py`` (one connection at a time), ``thread.py`` (a pool of
+request threads fed by a poll loop) and ``gevent.py`` (a greenlet per connection) each
+subclass ``Pipeline`` and hold only their concurrency model. A drain fix made here holds for
+all three.
+
+Must not import the arbiter (see base.py).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import socket
+import time
+from typing import Any
+
+from forkserve.context import CURRENT, RequestCancelled, RequestContext
+from forkserve.http import HTTPError, Request
+from forkserve.http.response import DateCache, reason_phrase, simple_response
+from forkserve.sockets import Listener, refusing_new_connections
+from forkserve.workers.base import Worker, WorkerState
+from forkserve.workers.connection import Abandoned, Connection, Timeout, linger_together
+from forkserve.wsgi import (ClientGone, ErrorStream, Exchange, FileWrapper, HeaderKeys, Input,
+                            base_environ, build_environ)
+
+NEW_CONNECTION_GRACE = 0.5  # seconds a silent new connection gets once the worker stops
+# Seconds an idle keep-alive connection must have been quiet before a stopping worker closes it.
+# Closing an idle connection races a request the client (a balancer reusing its connection)
+# may be sending right then: that request would be lost. So a stopping worker answers what
+# arrives within this grace (with Connection: close) and closes only connections that have
+# been quiet for it, which a client is unlikely to pick at that very moment. Quiet counts from
+# the last response or the stop, whichever is later: a balancer that marked us down (paused)
+# leaves its pooled connections idle, and picks them up again just as the resume retires us.
+KEEPALIVE_CLOSE_GRACE = 0.5
+RUNNING = WorkerState.RUNNING
+STOPPING = WorkerState.STOPPING
+CANCELLED = WorkerState.CANCELLED
+HALTING = WorkerState.HALTING
+
+
+class Ending(enum.Enum):
+    """How ``serve_connection`` left a connection."""
+
+    IDLE = "kept alive, nothing of its next request here yet"  # the caller waits on it
+    CLOSE = "to close"
+    LINGER = "to close once what the client still sends is drained"  # see Connection.close
+
+
+class Pipeline(Worker):
+    """The child runtime plus the request pipeline; a subclass adds its concurrency model:
+    ``serve()`` and ``should_close()``, and the two knobs below."""
+
+    # Waits on a client watch the stop and cancel pipes (thread and gevent workers: their
+    # waits run in pool threads or greenlets, which a signal handler does not interrupt), not
+    # the signal wakeup pipe (the sync worker, whose waits run in the main thread).
+    stop_pipes = False
+    # A cancel reaches a request in the application by killing its greenlet (gevent), so a
+    # wait inside a request leaves the cancel to that kill.
+    kills_requests = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Set here, not in serve(): a signal handler may look at them while the app loads.
+        self.connections: set[Connection] = set()
+        self.stop_seen: float | None = None  # see stop_began
+        self.stop_r = self.stop_w = self.cancel_r = self.cancel_w = -1  # see _open_stop_pipes
+        self.stop_signalled = self.cancel_signalled = False
+
+    def setup_http(self) -> None:
+        """What every request on this worker shares: the Date cache, header keys, environs."""
+        self.dates = DateCache()
+        self.keys = HeaderKeys()
+        errors = ErrorStream(lambda: self.log.fd)
+        self.environs: dict[int, dict[str, Any]] = {}
+        for listener in self.listeners:
+            name, port = listener.server_name_port()
+            # By the listener itself, not its fd: a stopping worker closes its listeners while
+            # the connections it accepted from them are still being served (fd -1 by then).
+            self.environs[id(listener)] = base_environ(name, port, errors, self.multithread)
+        if self.stop_pipes:
+            self._open_stop_pipes()
+
+    def should_close(self) -> bool:
+        """Asked as a response head is written: close rather than keep this client alive?"""
+        raise NotImplementedError
+
+    # -- waits on clients and the stop ----------------------------------------------------
+    def _open_stop_pipes(self) -> None:
+        """Two pipes that waits on clients watch (see ``stop_pipes``): one byte each, written
+        once, at the stop and at the drain deadline. Never drained, so every wait, now or
+        later, sees them. A stop signalled while the app loaded is written at once."""
+        self.stop_r, self.stop_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.cancel_r, self.cancel_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.stop_signalled:
+            os.write(self.stop_w, b"\0")
+        if self.cancel_signalled:
+            os.write(self.cancel_w, b"\0")
+
+    def signal_stop(self, cancel: bool = False) -> None:
+        """Wake every wait on a client (see _open_stop_pipes); at the deadline, twice."""
+        if not self.stop_signalled:
+            self.stop_signalled = True
+            if self.stop_w >= 0:
+                os.write(self.stop_w, b"\0")
+        if cancel and not self.cancel_signalled:
+            self.cancel_signalled = True
+            if self.cancel_w >= 0:
+                os.write(self.cancel_w, b"\0")  # waits that took the stop watch this one
+
+    def open_connection(self, sock: socket.socket, addr: Any) -> Connection:
+        interrupt_fd = self.stop_r if self.stop_pipes else self.wakeup_r
+        return Connection(sock, remote_of(addr), self.settings.limits,
+                          self.settings.header_timeout, self.should_close, interrupt_fd,
+                          self.interrupted)
+
+    def interrupted(self, conn: Connection) -> bool:
+        """-- may run in a pool thread. A wait on ``conn``'s client saw its interrupt fd
+        fire (a signal, the stop or the cancel): give the wait up (True: Abandoned)?"""
+        if not self.stop_pipes:
+            self.handle_wakeups()  # the signal pipe: the handlers have run, the state is new
+        state = self.state
+        if state is CANCELLED or state is HALTING:
+            if not conn.in_request:
+                return True  # waiting for a request head at the deadline: nothing more is taken
+            if not self.kills_requests:
+                # A request reading its body or writing its response: cancelled like one in
+                # the app (a BaseException: an app's `except Exception` does not swallow it).
+                raise RequestCancelled("cancelled: the drain timeout passed")
+        elif state is not RUNNING:
+            self.stop_cutoff(conn)
+        if self.stop_pipes:
+            # The stop pipe's byte is taken: watch the cancel pipe next, then nothing (both
+            # stay readable: watching one again would spin).
+            conn.interrupt_on(self.cancel_r if conn.interrupt_fd != self.cancel_r else -1)
+        return False
+
+    def stop_began(self) -> float:
+        """When this worker first applied a stop's graces: within moments of the stop itself
+        (every wait on a client wakes for it), and the same for every connection after."""
+        if self.stop_seen is None:
+            self.stop_seen = time.monotonic()
+        return self.stop_seen
+
+    def stop_cutoff(self, conn: Connection) -> None:
+        """The worker is stopping: how much longer a wait for a client's next request head may
+        last. Its request may be on the wire right now: never close under it at once."""
+        if conn.awaiting_request:
+            conn.cut_off(stop_grace_end(conn, self.stop_began()))
+
+    # -- the listeners ---------------------------------------------------------------------
+    def accept_from(self, listener: Listener) -> tuple[socket.socket, Any] | None:
+        """One waiting client of this listener, or None (none waiting, or it is closed)."""
+        if listener.sock.fileno() < 0:
+            return None  # closed at the stop signal (see SyncWorker._on_graceful)
+        try:
+            return listener.sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as exc:
+            # ECONNABORTED, EMFILE...: log and go on; the listener stays usable.
+            self.log.warning("accept() failed", error=exc.strerror, worker=self.worker_id)
+            return None
+
+    def takes_queue(self, listener: Listener) -> bool:
+        """Stopping: must this worker serve the clients queued on ``listener``? Yes when the
+        arbiter made it refuse new clients (a full stop: no one else will serve them), or
+        where that cannot be told (a unix socket); no while it still admits clients (a
+        reload, max-requests, a handoff, a service manager's socket: whoever stays serves
+        the queue, and closing our copy of the socket loses nothing)."""
+        if listener.sock.fileno() < 0:
+            return False
+        if self.retire_reason:
+            return False
+        if listener.sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return True
+        return refusing_new_connections(listener)
+
+    def turn_away_queue(self, listeners: list[Listener],
+                        taken: tuple[socket.socket, ...] = ()) -> None:
+        """Past the drain deadline: every client still queued (and those already ``taken``
+        from the queue) gets a 503 now, never a reset. All are answered and half-closed
+        first, then drained together (a lingering close, so that closing with their unread
+        requests does not reset them before they read the 503), within a bounded share of
+        the cancel grace."""
+        deadline = time.monotonic() + self.settings.cancel_grace / 2
+        answered = [self.turn_away(sock) for sock in taken]
+        for listener in listeners:
+            while time.monotonic() < deadline:
+                accepted = self.accept_from(listener)
+                if accepted is None:
+                    break
+                answered.append(self.turn_away(accepted[0]))
+        linger_together(answered, deadline)
+
+    def turn_away(self, sock: socket.socket) -> Connection:
+        """A client still queued past the drain deadline: a 503 and the end of our output
+        (counted as a refusal: its request was never read). The caller closes it."""
+        conn = Connection(sock, ("-", "0"), self.settings.limits, 1.0)
+        try:
+            conn.send(simple_response(503, "Service Unavailable", self.dates))
+        except ClientGone:
+            self.log.debug("A queued client left before its 503")
+        conn.end_output()
+        if self.metrics is not None:
+            self.metrics.request("-", 503, None)
+        return conn
+
+    def write_telemetry(self) -> None:
+        """Write out what the access log and span sinks buffered (before a wait for work)."""
+        if self.access_log is not None:
+            self.access_log.flush()
+        if self.spans is not None:
+            self.spans.flush()
+
+    def before_waiting(self) -> None:
+        """About to wait for work: write out telemetry, send a heartbeat if one is due."""
+        self.write_telemetry()
+        now = time.monotonic()
+        if now >= self.next_heartbeat:
+            self.heartbeat(now)
+
+    # -- one connection --------------------------------------------------------------------
+    def admit(self, conn: Connection) -> None:
+        self.counters.active_connections += 1
+        self.connections.add(conn)
+
+    def release(self, conn: Connection, linger: bool = False) -> bool:
+        """The connection ends: closed (after a lingering drain), counted out. False when it
+        had already ended (a thread worker's cancel that landed after the hand-back)."""
+        if conn.closed:
+            return False
+        self.connections.discard(conn)
+        conn.close(linger)
+        if not conn.released:  # finish_request() already counted it out
+            self.counters.active_connections -= 1
+        self.report()
+        return True
+
+    def keep_serving(self, conn: Connection, listener: Listener) -> None:
+        """A connection served in one place to its end (sync and gevent workers): its
+        requests, and between them the worker's own ``wait_idle``; then it is released."""
+        base = self.environs[id(listener)]
+        linger = False
+        try:
+            while True:
+                ending = self.serve_connection(conn, base)
+                if ending is not Ending.IDLE or not self.wait_idle(conn):
+                    linger = ending is Ending.LINGER
+                    return
+        except ClientGone:
+            return
+        finally:
+            self.release(conn, linger)
+
+    def wait_idle(self, conn: Connection) -> bool:
+        """Between requests on a kept-alive connection: True when the client sent more."""
+        raise NotImplementedError
+
+    def serve_connection(self, conn: Connection, base: dict[str, Any]) -> Ending:
+        """Read and serve the requests the client sent, pipelined ones too, until the
+        connection is idle (kept alive, nothing more here) or must close."""
+        header_timeout = self.settings.header_timeout
+        while True:
+            try:
+                request = conn.read_head(time.monotonic() + header_timeout)
+            except HTTPError as exc:
+                self.refuse(conn, exc.status, exc.reason)
+                return Ending.LINGER
+            except Timeout:
+                if conn.received:
+                    self.refuse(conn, 408, "Request Timeout")
+                return Ending.CLOSE
+            except Abandoned:
+                if conn.received:
+                    self.refuse(conn, 503, "Service Unavailable")
+                    return Ending.LINGER
+                if self.state is STOPPING and conn.readable_now():
+                    continue  # its request arrived just now: answer it, never reset it
+                return Ending.CLOSE
+            if request is None:
+                return Ending.CLOSE
+            if not self.serve_request(conn, request, base):
+                # Linger only where the client may still be sending (a body the app did not
+                # read, pipelined bytes): closing then would reset it. A request read to its
+                # end leaves nothing (lingering would hold the connection, and so the
+                # drain, until the client closes: up to 1 s).
+                return Ending.LINGER if conn.has_unread() else Ending.CLOSE
+            if not conn.events:
+                return Ending.IDLE  # else a pipelined request is already here
+
+    def refuse(self, conn: Connection, status: int, reason: str) -> None:
+        """A request the server answers itself: it never reaches the application."""
+        try:
+            conn.send(simple_response(status, reason_phrase(status), self.dates,
+                                      body=f"{status} {reason}\n".encode("utf-8", "replace")))
+        except ClientGone:
+            return
+        if self.metrics is not None:
+            self.metrics.request("-", status, None)  # refused: counted, not timed
+        if self.access_log is not None:
+            now = time.time()
+            self.access_log.request(conn.remote[0], "-", "-", "-", status, 0, None, None, now, 0.0,
+                                    "-")
+
+    # -- one request -------------------------------------------------------------------------
+    def serve_request(self, conn: Connection, request: Request, base: dict[str, Any]) -> bool:
+        """Run the app for one request. True when the connection may serve another."""
+        access_log = self.access_log
+        metrics = self.metrics
+        started = time.time() if access_log is not None or metrics is not None else 0.0
+        counters = self.counters
+        counters.in_flight_requests += 1
+        exchange = Exchange(conn, request, self.dates)
+        conn.begin(exchange)
+        context = RequestContext(lambda: self._finish_early(conn, exchange), self.pool, self.spans)
+        wsgi_input = Input(conn if request.has_body else None)
+        environ = build_environ(request, base, self.keys, conn.remote, wsgi_input)
+        environ["forkserve.finish_request"] = context.finish
+        if access_log is not None:
+            # The client's (or its proxy's) X-Request-ID, else a new one: the app sees the
+            # same id the access log records.
+            request_id = environ["HTTP_X_REQUEST_ID"] = self.request_ids.take(  # type: ignore[union-attr]
+                environ.get("HTTP_X_REQUEST_ID"))
+        status = 0
+        keep = False
+        token = CURRENT.set(context)
+        self.in_request = True
+        try:
+            self.cancellable = context
+            keep = self._run_app(exchange, environ)
+            status = exchange.status_code
+        except ClientGone:
+            status = exchange.status_code or 499
+        except HTTPError as exc:  # from wsgi.input: a body over --limit-request-body
+            status = self._fail(conn, exchange, exc.status, None)
+        except (RequestCancelled, Abandoned) as exc:
+            # Abandoned: a wait on the request body, ended by the cancel.
+            self.log.warning("Request cancelled", reason=str(exc) or "cancelled",
+                             method=request.method, target=environ["RAW_URI"],
+                             worker=self.worker_id)
+            if metrics is not None:
+                metrics.cancelled()
+            status = self._fail(conn, exchange, 503, None)
+        except Exception as exc:
+            status = self._fail(conn, exchange, 500, exc)
+        finally:
+            self.cancellable = None
+            self.in_request = False
+            context.run_shutdown_functions(self.log)
+            CURRENT.reset(token)
+            counters.in_flight_requests -= 1
+            conn.end_request()
+            self.report()
+        if exchange.framing_broken:
+            self.log.error("Response body did not match its Content-Length; connection closed",
+                           method=request.method, target=environ["RAW_URI"],
+                           content_length=exchange.content_length, sent=exchange.sent)
+        self.request_done()
+        if started:
+            duration = time.time() - started
+            if metrics is not None:
+                metrics.request(request.method, status, duration)
+            if access_log is not None:
+                access_log.request(
+                    conn.remote[0], request.method, environ["RAW_URI"],
+                    environ["SERVER_PROTOCOL"], status, exchange.sent, environ.get("HTTP_REFERER"),
+                    environ.get("HTTP_USER_AGENT"), started, duration, request_id)
+        if self.spans is not None:
+            self.spans.flush_if_due()
+        now = time.monotonic()
+        if now >= self.next_heartbeat:
+            self.heartbeat(now)
+        return keep and not conn.released and conn.discard_body(request)
+
+    def _finish_early(self, conn: Connection, exchange: Exchange) -> None:
+        """forkserve.finish_request(): the response ends for the client now. The connection
+        cannot serve another request while the app works on, so it is closed (the client
+        sees the end of the body and the close at once) and counted out."""
+        if conn.released:
+            return
+        exchange.close = True
+        exchange.finish()
+        conn.release()
+        self.counters.active_connections -= 1
+        self.report()
+
+    def _run_app(self, exchange: Exchange, environ: dict[str, Any]) -> bool:
+        result = self.app(environ, exchange.start_response)  # type: ignore[misc]
+        try:
+            kind = type(result)
+            if (kind is list or kind is tuple) and len(result) == 1 and type(result[0]) is bytes:
+                exchange.send_whole(result[0])  # the hello-world path: one send in all
+            elif not (kind is FileWrapper and exchange.send_file(result)):
+                write = exchange.write
+                for data in result:
+                    write(data)
+                    if exchange.event_stream and self.state is not RUNNING:
+                        # Server-sent events never end by themselves: at the drain the stream
+                        # ends after the event just sent, cleanly terminated; the app's
+                        # generator sees GeneratorExit (close() below).
+                        exchange.close = True
+                        break
+                exchange.finish()
+        finally:
+            close = getattr(result, "close", None)
+            if close is not None:
+                close()
+        return not exchange.close
+
+    def _fail(self, conn: Connection, exchange: Exchange, status: int,
+              exc: BaseException | None) -> int:
+        """The app (or its request body) failed: a clean error response if none started."""
+        if exc is not None:
+            request = exchange.request
+            self.log.exception(f"Error handling request {request.method} "
+                               f"{request.target.decode('latin-1')}", exc, worker=self.worker_id)
+        if exchange.headers_sent:
+            exchange.close = True  # the client sees a truncated response, never a wrong one
+            return exchange.status_code
+        try:
+            conn.send(simple_response(status, reason_phrase(status), self.dates))
+        except ClientGone:
+            return status
+        exchange.close = True
+        return status
+
+
+def stop_grace_end(conn: Connection, stop_began: float) -> float:
+    """When a stopping worker gives up waiting for a connection's next request: an idle
+    keep-alive one once it has been quiet for the close grace since its last response or the
+    stop, one just accepted and silent after a short grace from now (its client may be about
+    to send: a reload must not drop it; or it is a pre-connect that never will)."""
+    if conn.served:
+        return max(conn.idle_since, stop_began) + KEEPALIVE_CLOSE_GRACE
+    return time.monotonic() + NEW_CONNECTION_GRACE
+
+
+def remote_of(addr: Any) -> tuple[str, str]:
+    """REMOTE_ADDR and REMOTE_PORT of an accepted peer (unix socket peers have none)."""
+    if isinstance(addr, tuple):
+        return addr[0], str(addr[1])
+    return "127.0.0.1", "0"
