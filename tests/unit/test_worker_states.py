@@ -39,3 +39,13 @@ def test_nothing_leads_back() -> None:
     for (state, _), to in WORKER_TRANSITIONS.items():
         assert order.index(to) >= order.index(state), (state, to)
     assert all(WORKER_TRANSITIONS[(WS.HALTING, event)] is WS.HALTING for event in WE)
+
+
+def test_each_worker_class_inherits_the_pipeline_not_another_class() -> None:
+    """sync, thread and gevent hold only their concurrency model: a drain fix made in the
+    pipeline holds for all three, and none changes by a change to another."""
+    from forkserve.workers import WORKER_CLASSES, worker_class
+    from forkserve.workers.pipeline import Pipeline
+
+    for name in WORKER_CLASSES:
+        assert worker_class(name).__bases__ == (Pipeline,), name
