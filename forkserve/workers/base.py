@@ -130,7 +130,7 @@ class Worker:
         self.state = WorkerState.BOOTING
         self.access_log: AccessLog | None = None
         self.request_ids: RequestIds | None = None
-        self.metrics: Any = None  # forkserve.metrics.Recorder, when metrics are on
+        self.metrics: Recorder | None = None  # when metrics are on
         self.spans: Sinks | None = None
         self.pool: BackgroundPool | None = None
         self.in_request = False

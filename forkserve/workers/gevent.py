@@ -147,10 +147,11 @@ class GeventWorker(Pipeline):
         byte (so a stop lets a request that arrives within the close grace in, see
         stop_cutoff)."""
         keepalive = self.settings.keepalive
-        if keepalive <= 0 or self.state is WorkerState.CANCELLED or self.state is WorkerState.HALTING:
+        state = self.state  # (a local: the state changes under this greenlet's waits)
+        if keepalive <= 0 or state is WorkerState.CANCELLED or state is WorkerState.HALTING:
             return False
         try:
-            if self.state is not RUNNING:
+            if state is not RUNNING:
                 conn.cut_off(stop_grace_end(conn, self.stop_began()))
             conn.await_request(conn.idle_since + keepalive)
             return True
