@@ -26,6 +26,8 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+from forkserve.reactor import Reactor
+
 MAX_LINE = 4096
 CLIENT_TIMEOUT = 5.0
 
@@ -35,14 +37,16 @@ class ControlError(Exception):
 
 
 class ControlServer:
-    """Non-blocking: the arbiter polls ``fileno()`` and each client's fd in its loop, for
-    what ``wants`` says (the request line, then the answer's room); nothing here blocks
-    the loop, not even a client that sends its command and never reads the answer (it is
-    dropped at its deadline)."""
+    """Non-blocking, on the loop's reactor: the listener, then each client for what it waits
+    for (the request line, then the answer's room); nothing here blocks the loop, not even a
+    client that sends its command and never reads the answer (it is dropped at its deadline,
+    see expire)."""
 
-    def __init__(self, path: str, handler: Callable[[str, str], tuple[dict[str, Any], list[int]]]) -> None:
+    def __init__(self, path: str, handler: Callable[[str, str], tuple[dict[str, Any], list[int]]],
+                 reactor: Reactor) -> None:
         self.path = os.path.abspath(path)
         self.handler = handler
+        self.reactor = reactor
         self.clients: dict[int, tuple[socket.socket, bytes, float]] = {}
         self.peers: dict[int, int] = {}  # client fd -> its process id (SO_PEERCRED)
         self.peer_pid = 0  # the process whose command the handler is answering now
@@ -70,18 +74,29 @@ class ControlServer:
         sock.setblocking(False)
         self.sock = sock
         self.owner_pid = os.getpid()
+        reactor.add(sock.fileno(), select.POLLIN, self._on_listener)
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    # -- the reactor's callbacks ---------------------------------------------------------------
+    def _on_listener(self, fd: int, events: int) -> None:
+        self.accept()
+
+    def _on_client(self, fd: int, events: int) -> None:
+        if fd in self.clients and not self.serve(fd):
+            self.reactor.modify(fd, self.wants(fd))
+
     def accept(self) -> list[int]:
-        """New clients; returns their fds for the caller's poller."""
+        """New clients (each now on the reactor); returns their fds."""
         fds: list[int] = []
         while True:
             try:
                 client, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return fds
+            except OSError:
+                return fds  # EMFILE, ECONNABORTED...: the next wake tries again
             creds = client.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             pid, uid, _ = struct.unpack("3i", creds)
             if uid not in (os.getuid(), 0):
@@ -90,6 +105,7 @@ class ControlServer:
             client.setblocking(False)
             self.peers[client.fileno()] = pid
             self.clients[client.fileno()] = (client, b"", time.monotonic() + CLIENT_TIMEOUT)
+            self.reactor.add(client.fileno(), select.POLLIN, self._on_client)
             fds.append(client.fileno())
 
     def wants(self, fd: int) -> int:
@@ -141,18 +157,23 @@ class ControlServer:
         self.drop(fd)
         return True
 
-    def expired(self, now: float) -> list[int]:
-        return [fd for fd, (_, _, deadline) in self.clients.items() if now >= deadline]
+    def expire(self, now: float) -> None:
+        """Each round: drop the clients past their deadline."""
+        for fd in [fd for fd, (_, _, deadline) in self.clients.items() if now >= deadline]:
+            self.drop(fd)
 
     def drop(self, fd: int) -> None:
         client, _, _ = self.clients.pop(fd)
         self.peers.pop(fd, None)
         self.answers.pop(fd, None)
+        self.reactor.remove(fd)
         client.close()
 
     def close(self) -> None:
         for fd in list(self.clients):
             self.drop(fd)
+        if self.sock.fileno() in self.reactor:
+            self.reactor.remove(self.sock.fileno())
         self.sock.close()
         if os.getpid() == self.owner_pid:
             try:

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import httptools
 
 from forkserve.http.response import reason_phrase, response_head
+from forkserve.reactor import Reactor
 from forkserve.sockets import Listener, refuse_new_connections, steer_new_connections_here
 
 MAX_HEAD = 8192  # a status request is a GET with a few headers
@@ -76,7 +77,8 @@ class _Client:
 
 
 class StatusServer:
-    """Accepts and answers status requests; the arbiter calls :meth:`serve` from its loop.
+    """Accepts and answers status requests, called back by the loop's reactor for its
+    descriptors; the loop calls :meth:`expire` each round for its deadlines.
 
     Nothing here may raise into the arbiter's loop: a client whose handling fails is answered
     500 (or dropped) and the failure logged. Bounded: at most MAX_CLIENTS connections (the
@@ -87,12 +89,12 @@ class StatusServer:
     the client then waits, without blocking the loop, until :meth:`resume` asks again.
     """
 
-    def __init__(self, sock: socket.socket, poller: Any,
+    def __init__(self, sock: socket.socket, reactor: Reactor,
                  handler: Callable[[str, str, dict[bytes, bytes]], Answer | None],
                  log: Any, accepting: bool = True) -> None:
         self.sock = sock
         sock.setblocking(False)
-        self.poller = poller
+        self.reactor = reactor
         self.handler = handler
         self.log = log
         self.clients: dict[int, _Client] = {}
@@ -102,7 +104,7 @@ class StatusServer:
         # the instance it replaces answers meanwhile, see start_accepting).
         self.accepting = accepting
         if accepting:
-            poller.register(sock.fileno(), POLLIN)
+            reactor.add(sock.fileno(), POLLIN, self._on_listener)
 
     def start_accepting(self) -> None:
         """Answer on the listener from now on; one bound but not yet listening (a successor's
@@ -114,7 +116,7 @@ class StatusServer:
             if steer_new_connections_here(self.sock):
                 self.log.info("Status server: new connections to the shared port come here")
         self.accepting = True
-        self.poller.register(self.sock.fileno(), POLLIN)
+        self.reactor.add(self.sock.fileno(), POLLIN, self._on_listener)
 
     def leave(self, own_queue: bool) -> None:
         """Another instance serves this status port now: stop answering on it at once, rather
@@ -145,28 +147,32 @@ class StatusServer:
             deadlines.append(self.accept_paused_until)
         return min(deadlines, default=None)
 
-    def serve(self, ready: list[tuple[int, int]], now: float) -> None:
-        listen_fd = self.sock.fileno()
-        for fd, events in ready:
-            if fd == listen_fd:
-                self._accept(now)
-            elif fd in self.clients:
-                client = self.clients[fd]
-                try:
-                    if client.out:
-                        self._send(fd, client)
-                    elif fd not in self.waiting:
-                        self._read(fd, client)
-                except Exception as exc:  # never into the arbiter's loop
-                    self.log.exception("Status server: a request failed", exc)
-                    if fd in self.clients:
-                        self._drop(fd)
+    # -- the reactor's callbacks, and the deadlines --------------------------------------
+    def _on_listener(self, fd: int, events: int) -> None:
+        self._accept(time.monotonic())
+
+    def _on_client(self, fd: int, events: int) -> None:
+        client = self.clients.get(fd)
+        if client is None:
+            return
+        try:
+            if client.out:
+                self._send(fd, client)
+            elif fd not in self.waiting:
+                self._read(fd, client)
+        except Exception as exc:  # never into the arbiter's loop
+            self.log.exception("Status server: a request failed", exc)
+            if fd in self.clients:
+                self._drop(fd)
+
+    def expire(self, now: float) -> None:
+        """Each round: drop clients past their deadline; accept again after a pause."""
         for fd, client in list(self.clients.items()):
             if now >= client.deadline:
                 self._drop(fd)
         if self.accept_paused_until is not None and now >= self.accept_paused_until:
             self.accept_paused_until = None
-            self.poller.register(listen_fd, POLLIN)
+            self.reactor.add(self.sock.fileno(), POLLIN, self._on_listener)
 
     def _accept(self, now: float) -> None:
         while True:
@@ -180,7 +186,7 @@ class StatusServer:
                     # polling it for a moment rather than spin.
                     self.log.warning("Status server: accept() failed; pausing it",
                                      error=exc.strerror)
-                    self.poller.unregister(self.sock.fileno())
+                    self.reactor.remove(self.sock.fileno())
                     self.accept_paused_until = now + ACCEPT_PAUSE
                 return  # anything else (ECONNABORTED, a network error): that client only
             if len(self.clients) >= MAX_CLIENTS:
@@ -195,7 +201,7 @@ class StatusServer:
             client = _Client(conn, now + HEAD_TIMEOUT)
             client.parser = httptools.HttpRequestParser(client)
             self.clients[conn.fileno()] = client
-            self.poller.register(conn.fileno(), POLLIN)
+            self.reactor.add(conn.fileno(), POLLIN, self._on_client)
 
     def _read(self, fd: int, client: _Client) -> None:
         try:
@@ -239,7 +245,7 @@ class StatusServer:
         if answer is None:
             if fd not in self.waiting:
                 self.waiting[fd] = (method, path)
-                self.poller.modify(fd, 0)  # nothing to read meanwhile (a close shows as POLLHUP)
+                self.reactor.modify(fd, 0)  # nothing to read meanwhile (a close shows as POLLHUP)
             return
         self.waiting.pop(fd, None)
         self._answer(fd, client, answer, head_only=method == "HEAD")
@@ -277,38 +283,44 @@ class StatusServer:
             return
         client.out = client.out[sent:]
         if client.out:
-            self.poller.modify(fd, POLLOUT)
+            self.reactor.modify(fd, POLLOUT)
         else:
             self._drop(fd)
 
     def _drop(self, fd: int) -> None:
         client = self.clients.pop(fd)
         self.waiting.pop(fd, None)
-        self.poller.unregister(fd)
+        self.reactor.remove(fd)
         client.sock.close()
 
-    def finish(self, deadline: float) -> None:
-        """Before an in-place upgrade's exec: answer the connections already accepted (their
-        requests may be a moment away), accepting no more — the listener and its queue go to
-        the new image. Bounded by ``deadline``; what is left then is closed."""
-        while self.clients:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            self.resume()
-            poller = select.poll()
-            for fd, client in self.clients.items():
-                poller.register(fd, POLLOUT if client.out else 0 if fd in self.waiting else POLLIN)
-            self.serve(poller.poll(min(remaining, 0.05) * 1000.0), time.monotonic())
-        for fd in list(self.clients):
-            self._drop(fd)
+    # -- an upgrade's exec: the accepted clients change hands -------------------------------
+    def hand_over(self) -> None:
+        """A child forked just now (the upgrade's stand-in) answers our accepted clients (see
+        adopt): forget them here and close our copies of their sockets (a close, not a
+        shutdown: the child's copies stay open)."""
+        for fd, client in list(self.clients.items()):
+            self.reactor.remove(fd)
+            client.sock.close()
+        self.clients.clear()
+        self.waiting.clear()
+
+    def adopt(self, clients: dict[int, _Client], waiting: dict[int, tuple[str, str]]) -> None:
+        """In the stand-in: the clients its parent had accepted (their parsers' state too: a
+        fork's copy), each answered as if it had been accepted here; those that waited for
+        fresh numbers are asked again of this server's handler at once."""
+        for fd, client in clients.items():
+            self.clients[fd] = client
+            events = POLLOUT if client.out else 0 if fd in waiting else POLLIN
+            self.reactor.add(fd, events, self._on_client)
+        self.waiting.update(waiting)
+        self.resume()
 
     def stop_listening(self) -> str:
         """TTOU (pause): free the port for a successor; connections in progress finish.
         Returns the address, to bind again on TTIN."""
         address = self.sock.getsockname()
         if self.accept_paused_until is None and self.accepting:
-            self.poller.unregister(self.sock.fileno())
+            self.reactor.remove(self.sock.fileno())
         self.accept_paused_until = None
         self.accepting = True  # (what listen() gets back on TTIN)
         self.sock.close()
@@ -319,14 +331,14 @@ class StatusServer:
         """TTIN (resume): a listener bound again."""
         self.sock = sock
         sock.setblocking(False)
-        self.poller.register(sock.fileno(), POLLIN)
+        self.reactor.add(sock.fileno(), POLLIN, self._on_listener)
 
     def close(self) -> None:
         for fd in list(self.clients):
             self._drop(fd)
         if self.sock.fileno() >= 0:
             if self.accept_paused_until is None and self.accepting:
-                self.poller.unregister(self.sock.fileno())
+                self.reactor.remove(self.sock.fileno())
             self.sock.close()
 
 

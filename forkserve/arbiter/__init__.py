@@ -36,6 +36,7 @@ from forkserve.control import ControlServer
 from forkserve.counters import Decoder, ExitCode
 from forkserve.lifecycle import Event, State, next_state
 from forkserve.logs import Log
+from forkserve.reactor import Reactor
 from forkserve.sockets import Listener
 from forkserve.status import StatusServer
 from forkserve.workers import worker_class
@@ -50,7 +51,6 @@ from forkserve.arbiter.workers import WorkerHandle, WorkerTable
 
 __all__ = ["ARBITER_SIGNALS", "Arbiter", "WorkerHandle"]
 
-MAX_POLL_MS = 3_600_000.0
 # How long a stop's transition lines wait for the workers' live numbers (a busy sync worker
 # reports only between requests, so the last numbers we have may say nothing is in flight).
 LIVE_LINE_WAIT = 0.5
@@ -100,14 +100,14 @@ class Arbiter(WorkerTable, Drain, Generations, Upgrade, Handoff, Observe, Comman
             signal.SIGTTOU: self.pause,
             signal.SIGCHLD: self.reap,
         }
-        self.poller = poller = select.poll()
-        poller.register(self.signals.fileno(), select.POLLIN)
-        poller.register(self.counter_r, select.POLLIN)
+        self.reactor = reactor = Reactor()
+        # The signal and counter pipes wake the loop; each round reads them itself, first.
+        reactor.add(self.signals.fileno(), select.POLLIN, read_each_round)
+        reactor.add(self.counter_r, select.POLLIN, read_each_round)
         if self.config.control_socket:
-            self.control = ControlServer(self.config.control_socket, self.command)
-            poller.register(self.control.fileno(), select.POLLIN)
+            self.control = ControlServer(self.config.control_socket, self.command, reactor)
         if self.status_sock is not None:
-            self.status_server = StatusServer(self.status_sock, poller, self.answer_status,
+            self.status_server = StatusServer(self.status_sock, reactor, self.answer_status,
                                               self.log, accepting=not self.status_deferred)
         self.log.info("Starting forkserve", listening=",".join(l.name() for l in self.listeners),
                       workers=self.config.worker_count, worker_class=self.config.worker_class,
@@ -127,10 +127,7 @@ class Arbiter(WorkerTable, Drain, Generations, Upgrade, Handoff, Observe, Comman
             self.stand_in = inherited.status_stand_in
             self.stop_stand_in()
         while self.state is not State.STOPPED:
-            timeout = self.next_timeout(time.monotonic())
-            # Capped: poll() overflows past ~24 days (a --drain-timeout of 1e7 is legal).
-            ready = poller.poll(MAX_POLL_MS if timeout is None
-                                else min(timeout * 1000.0 + 1, MAX_POLL_MS))
+            ready = reactor.wait(self.next_timeout(time.monotonic()))
             for signum in self.signals.drain():
                 self.dispatch.get(signum, self.reap)()
             self.read_counters()
@@ -138,11 +135,13 @@ class Arbiter(WorkerTable, Drain, Generations, Upgrade, Handoff, Observe, Comman
                     and self.status_server is not None:
                 self.status_server.resume()
             self.reap()
+            reactor.dispatch(ready)  # the control socket's and the status server's clients
+            now = time.monotonic()
             if self.control is not None:
-                self.serve_control(ready)
+                self.control.expire(now)
             if self.status_server is not None:
-                self.status_server.serve(ready, time.monotonic())
-            self.tick(time.monotonic())
+                self.status_server.expire(now)
+            self.tick(now)
         self.shutdown()
         return self.exit_code
 
@@ -226,3 +225,8 @@ class Arbiter(WorkerTable, Drain, Generations, Upgrade, Handoff, Observe, Comman
         if self.state in (State.BOOTING, State.RUNNING):
             self.spawn_missing(now)
         self.carry_out_wanted()
+
+
+def read_each_round(fd: int, events: int) -> None:
+    """The signal and counter pipes' callback: nothing (they only wake the loop; each round
+    reads them first, before any client is answered, so an answer sees the new state)."""

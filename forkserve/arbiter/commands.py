@@ -3,7 +3,6 @@ commands (``forkserve ctl``), and USR1's log reopening."""
 
 from __future__ import annotations
 
-import select
 import signal
 import time
 from dataclasses import dataclass
@@ -20,22 +19,6 @@ class Commands(Part):
     control: ControlServer | None = None
 
     # -- the control socket --------------------------------------------------------------------
-    def serve_control(self, ready: list[tuple[int, int]]) -> None:
-        control = self.control
-        assert control is not None
-        for fd, _ in ready:
-            if fd == control.fileno():
-                for client in control.accept():
-                    self.poller.register(client, select.POLLIN)
-            elif fd in control.clients:
-                if control.serve(fd):
-                    self.poller.unregister(fd)
-                else:
-                    self.poller.modify(fd, control.wants(fd))
-        for fd in control.expired(time.monotonic()):
-            self.poller.unregister(fd)
-            control.drop(fd)
-
     def command(self, name: str, arg: str) -> tuple[dict[str, Any], list[int]]:
         """One control-socket command; the answer and any fds to send with it."""
         simple = {"reload": self.reload, "upgrade": self.upgrade, "stop": self.stop,

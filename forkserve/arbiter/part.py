@@ -7,7 +7,6 @@ has; at run time ``Part`` is an empty class and every name is the owning mixin's
 
 from __future__ import annotations
 
-import select
 import subprocess
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -19,6 +18,7 @@ if TYPE_CHECKING:
     from forkserve.handover import HandedWorker, Handover
     from forkserve.lifecycle import Event, Rollout, State, Step
     from forkserve.logs import Log
+    from forkserve.reactor import Reactor
     from forkserve.signals import SignalQueue
     from forkserve.sockets import Listener
     from forkserve.status import Answer, StatusServer
@@ -87,7 +87,7 @@ class Part:
         upgrade_wanted: bool
         upgrading_from: int | None
         workers: dict[int, WorkerHandle]
-        poller: select.poll
+        reactor: Reactor
         signals: SignalQueue
         settings: WorkerSettings
         worker_cls: type[Any]

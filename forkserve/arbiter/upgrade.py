@@ -15,7 +15,6 @@ them. A status stand-in answers on the status port through the exec.
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -35,7 +34,6 @@ from forkserve.arbiter.observe import json_answer
 from forkserve.arbiter.workers import WorkerHandle, describe_status
 from forkserve.arbiter.part import Part
 
-STATUS_FINISH = 1.0  # seconds status requests in progress get before an upgrade's exec
 
 
 @dataclass(kw_only=True)
@@ -133,13 +131,14 @@ class Upgrade(Part):
         self.notify("reloading")
         handover = self.handover()
         if self.status_server is not None:
-            if self.status_server.clients:
-                self.log.info("Upgrade: answering the status requests in progress first",
-                              clients=len(self.status_server.clients))
-            self.status_server.finish(time.monotonic() + STATUS_FINISH)
             os.set_inheritable(self.status_server.fileno(), True)
-            # Who answers on it until the new image's status server does.
+            # Who answers on it until the new image's status server does, and answers the
+            # status requests in progress (not waited for here: the exec goes on at once).
             self.stand_in = self.fork_stand_in()
+            if self.status_server.clients:
+                self.log.info("Upgrade: the status stand-in answers the requests in progress",
+                              clients=len(self.status_server.clients))
+            self.status_server.hand_over()
             handover = replace(handover, status_fd=self.status_server.fileno(),
                                status_stand_in=self.stand_in)
         if self.metrics is not None:
@@ -154,7 +153,6 @@ class Upgrade(Part):
         env = dict(os.environ)
         handover.into(env)
         if self.control is not None:
-            self.poller.unregister(self.control.fileno())
             self.control.close()  # the new image opens it again at the same path
             self.control = None
         self.log.info("Upgrade: re-executing", pid=os.getpid(), generation=self.generation)
@@ -174,8 +172,8 @@ class Upgrade(Part):
             for fd in handover.fds():
                 os.set_inheritable(fd, False)
             if self.config.control_socket:
-                self.control = ControlServer(self.config.control_socket, self.command)
-                self.poller.register(self.control.fileno(), select.POLLIN)
+                self.control = ControlServer(self.config.control_socket, self.command,
+                                             self.reactor)
 
     def adopt_old_workers(self, workers: list[HandedWorker], generation: int) -> None:
         """The new image's view of the workers the old image handed over."""
@@ -228,7 +226,8 @@ class Upgrade(Part):
         if pid == 0:  # the child: never returns into the arbiter's loop
             code: int = ExitCode.ERROR
             try:
-                keep = sorted({self.log.fd, server.fileno(), self.alive_r} - {0, 1, 2, -1})
+                keep = sorted({self.log.fd, server.fileno(), self.alive_r, *server.clients}
+                              - {0, 1, 2, -1})
                 for low, high in zip([2, *keep], [*keep, os.sysconf("SC_OPEN_MAX")]):
                     if low + 1 < high:  # (an empty range would be read as "to the end")
                         os.closerange(low + 1, high)  # the rest: main listeners, pipes...
@@ -236,7 +235,8 @@ class Upgrade(Part):
                     ARBITER_SIGNALS, wake_on=(signal.SIGTERM,),
                     ignore=(signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTTIN,
                             signal.SIGTTOU, signal.SIGWINCH))
-                code = run_stand_in(server.sock, wakeup, self.alive_r, answers, self.log)
+                code = run_stand_in(server.sock, wakeup, self.alive_r, answers, self.log,
+                                    adopted=server)
             except BaseException as exc:  # noqa: BLE001 - reported, then the child exits
                 self.log.exception("Upgrade: the status stand-in failed", exc)
             finally:

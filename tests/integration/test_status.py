@@ -618,7 +618,8 @@ def test_status_port_survives_usr2_upgrade(server_factory: Any) -> None:
 def test_status_client_accepted_before_usr2_exec_is_answered(server_factory: Any, gates: Any,
                                                              tmp_path: Path) -> None:
     """A status client the old image accepted, its request head still arriving, is answered
-    before the exec (not dropped with the old image's loop). The upgrade's check waits on a
+    (not dropped with the old image's loop): the stand-in forked at the exec takes it over,
+    its half-read request too, and the exec goes on at once. The upgrade's check waits on a
     gate (its import of the app), so the client is accepted while the check runs and the
     exec follows the gate's release at once: the client's HEAD_TIMEOUT counts from its accept,
     never from the USR2, however long the check takes on a loaded machine."""
@@ -634,10 +635,11 @@ def test_status_client_accepted_before_usr2_exec_is_answered(server_factory: Any
                  "the arbiter to accept the status client")
         gate.release()
         boot.unlink()  # the new image's workers boot at once
-        # The old image is about to exec: it answers the requests it accepted (up to 1 s)
-        # before it goes, the rest of this one arriving meanwhile.
-        server.wait_log("Upgrade: answering the status requests in progress first",
+        # The old image execs now; its stand-in answers the requests it had accepted, the
+        # rest of this one arriving after the exec.
+        server.wait_log("Upgrade: the status stand-in answers the requests in progress",
                         timeout=20, clients=1)
+        server.wait_log("Upgrade: re-executing", timeout=20)
         if time.monotonic() - accepted_at > HEAD_TIMEOUT * 0.75:
             pytest.skip("the check's exit came later than the status client's head timeout")
         try:
@@ -648,6 +650,8 @@ def test_status_client_accepted_before_usr2_exec_is_answered(server_factory: Any
             server.wait_log("Upgrade complete", timeout=20)
             assert answer(server, "/healthz")["state"] == "running"
         assert response.status == 200 and json.loads(response.body)["status"] == "alive"
+        # Answered by the stand-in, not the new image (which answers only after it stops).
+        assert server.wait_log("Upgrade: the status stand-in stopped", timeout=20)["answered"] >= 1
 
 
 # -- 10. HUP reload: ready throughout, the old generation serving while the new one boots --------

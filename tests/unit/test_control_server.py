@@ -1,6 +1,7 @@
 """The control socket's server never blocks the arbiter's loop: an answer bigger than the
 socket takes at once is sent as the client makes room, polled for, and a client that never
-reads is dropped at its deadline. Real unix sockets, no fork."""
+reads is dropped at its deadline. Real unix sockets and a real reactor (the arbiter's one
+poll), no fork."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, Iterator
 import pytest
 
 from forkserve.control import ControlServer
+from forkserve.reactor import Reactor
 
 
 @pytest.fixture
@@ -22,42 +24,49 @@ def short_dir() -> Iterator[Path]:
         yield Path(path)
 
 
-def serve_one(short_dir: Path, answer: dict[str, Any]) -> tuple[ControlServer, socket.socket, int]:
-    server = ControlServer(str(short_dir / "ctl"), lambda name, arg: (answer, []))
+def serve_one(short_dir: Path, answer: dict[str, Any]
+              ) -> tuple[Reactor, ControlServer, socket.socket, int]:
+    reactor = Reactor()
+    server = ControlServer(str(short_dir / "ctl"), lambda name, arg: (answer, []), reactor)
+    assert server.fileno() in reactor
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     client.connect(server.path)
     client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    (fd,) = server.accept()
+    reactor.dispatch(reactor.wait(5.0))  # the listener's callback accepts it
+    (fd,) = server.clients
+    assert fd in reactor
     server.clients[fd][0].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     client.sendall(b"status\n")
     assert select.select([fd], [], [], 5)[0], "the command to arrive"
-    return server, client, fd
+    return reactor, server, client, fd
 
 
 def test_a_big_answer_is_sent_as_the_client_reads(short_dir: Path) -> None:
     answer = {"ok": True, "blob": "x" * 1_000_000}
-    server, client, fd = serve_one(short_dir, answer)
+    reactor, server, client, fd = serve_one(short_dir, answer)
     with client:
-        assert server.serve(fd) is False, "a megabyte does not fit at once: nothing may block"
+        reactor.dispatch(reactor.wait(0))
+        assert fd in server.answers, "a megabyte does not fit at once: nothing may block"
         assert server.wants(fd) == select.POLLOUT
         received = b""
         client.settimeout(5)
         while not received.endswith(b"\n"):
             received += client.recv(65536)
-            if fd in server.clients and select.select([], [fd], [], 0)[1]:
-                server.serve(fd)
-        assert fd not in server.clients, "answered whole: the client is done"
+            reactor.dispatch(reactor.wait(0))  # POLLOUT: the callback sends what fits
+        assert fd not in server.clients and fd not in reactor, "answered whole: the client is done"
         assert json.loads(received) == answer
     server.close()
+    assert server.fileno() not in reactor
 
 
 def test_a_client_that_never_reads_is_dropped_at_its_deadline(short_dir: Path) -> None:
-    server, client, fd = serve_one(short_dir, {"ok": True, "blob": "x" * 1_000_000})
+    reactor, server, client, fd = serve_one(short_dir, {"ok": True, "blob": "x" * 1_000_000})
     with client:
-        assert server.serve(fd) is False
+        reactor.dispatch(reactor.wait(0))
+        assert fd in server.answers
         deadline = server.clients[fd][2]
-        assert server.expired(deadline - 0.1) == []
-        assert server.expired(deadline) == [fd]
-        server.drop(fd)
-        assert not server.clients and not server.answers
+        server.expire(deadline - 0.1)
+        assert fd in server.clients
+        server.expire(deadline)
+        assert not server.clients and not server.answers and fd not in reactor
     server.close()
