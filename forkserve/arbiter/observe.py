@@ -16,15 +16,16 @@ import json
 import os
 import select
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from forkserve import __version__
 from forkserve.lifecycle import Rollout, State
-from forkserve.metrics import RELOADS_HELP, RESTARTS_HELP, ArbiterCollector, rss_bytes
+from forkserve.metrics import RELOADS_HELP, RESTARTS_HELP, ArbiterCollector, Store, rss_bytes
 from forkserve.status import Answer, StatusServer
-from forkserve.systemd import status_line
+from forkserve.systemd import Notifier, status_line
 from forkserve.arbiter.part import Part
 
 # Seconds a replacement's boot keeps the instance ready while no other worker serves (all of
@@ -38,10 +39,10 @@ FRESH_FOR = 0.05  # numbers this recent answer without asking again (a burst of 
 class Observe(Part):
     """Readiness, status and numbers (a mixin of :class:`forkserve.arbiter.Arbiter`)."""
 
-    status_sock: Any = None  # the --status-bind listener (socket.socket), bound by the cli
+    status_sock: socket.socket | None = None  # the --status-bind listener, bound by the cli
     status_server: StatusServer | None = None
-    metrics: Any = None  # forkserve.metrics.Store, when metrics are on
-    notifier: Any = None  # forkserve.systemd.Notifier, when systemd is listening
+    metrics: Store | None = None  # when metrics are on
+    notifier: Notifier | None = None  # when systemd is listening
     next_watchdog: float | None = None  # next WATCHDOG=1, when systemd asks for them
     fresh: set[int] | None = None  # workers heard from since numbers_fresh() asked
     refresh_asked: set[int] = field(default_factory=set)
@@ -206,10 +207,11 @@ class Observe(Part):
                 yield client_deadline
 
     def observe_tick(self, now: float) -> None:
-        if self.next_watchdog is not None and now >= self.next_watchdog:
+        notifier = self.notifier
+        if self.next_watchdog is not None and now >= self.next_watchdog and notifier is not None:
             # The loop is alive enough to get here: that is what the watchdog asks.
-            self.notifier.watchdog()
-            self.next_watchdog = now + self.notifier.watchdog_interval
+            notifier.watchdog()
+            self.next_watchdog = now + (notifier.watchdog_interval or 1.0)
 
 
 def json_answer(status: int, body: dict[str, Any]) -> Answer:

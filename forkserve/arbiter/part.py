@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from forkserve.handover import HandedWorker, Handover
     from forkserve.lifecycle import Event, Rollout, State, Step
     from forkserve.logs import Log
+    from forkserve.metrics import Store
     from forkserve.reactor import Reactor
     from forkserve.signals import SignalQueue
     from forkserve.sockets import Listener
@@ -49,7 +50,7 @@ class Part:
         def leave_status_port(self) -> None: ...
         listeners: list[Listener]
         log: Log
-        metrics: Any
+        metrics: Store | None
         def metrics_dir(self) -> str | None: ...
         def notify(self, what: str) -> None: ...
         def numbers_fresh(self) -> bool: ...
