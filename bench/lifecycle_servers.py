@@ -167,14 +167,17 @@ class Procs:
         self.servers.append(server)
         return Instance("gunicorn", server)
 
-    def haproxy(self, backend_port: int, check_port: int) -> int:
-        """A real HAProxy in front of the server; returns its frontend port once it serves."""
+    def haproxy(self, backend_port: int, check_port: int, frontend: str = "",
+                served: str = "/readyz") -> int:
+        """A real HAProxy in front of the server; returns its frontend port once ``served``
+        answers 200 through it. ``frontend``: more lines for its frontend section (``option
+        forwardfor``...)."""
         if shutil.which("haproxy") is None:
             raise RuntimeError("haproxy is not installed (apt-get install haproxy)")
         front = free_port()
         self.sequence += 1
         cfg = self.tmp / f"haproxy{self.sequence}.cfg"
-        cfg.write_text(haproxy_config(front, backend_port, check_port))
+        cfg.write_text(haproxy_config(front, backend_port, check_port, frontend))
         self.haproxy_logs.append(self.tmp / f"haproxy{self.sequence}.log")
         log = open(self.haproxy_logs[-1], "wb")  # noqa: SIM115 - closed below
         try:
@@ -183,7 +186,7 @@ class Procs:
         finally:
             log.close()
         self.popens.append(proc)
-        wait_for(lambda: proc.poll() is not None or probe(front, "/readyz", 2.0).kind == "ok", 15,
+        wait_for(lambda: proc.poll() is not None or probe(front, served, 2.0).kind == "ok", 15,
                  "HAProxy to forward to a healthy server")
         if proc.poll() is not None:
             raise RuntimeError(f"haproxy exited {proc.returncode}: "
@@ -261,7 +264,7 @@ def haproxy_downs(tmp: Path, logs: list[Path]) -> list[str]:
     return notes
 
 
-def haproxy_config(front: int, backend: int, check: int) -> str:
+def haproxy_config(front: int, backend: int, check: int, frontend: str = "") -> str:
     """HAProxy as deployed in front of an app server: backend keep-alive (``http-reuse always``)
     and a fast readiness check; deliberately no ``retry-on`` and no ``option redispatch``, so a
     request lost on a backend connection reaches the client (as a 502/503) instead of being
@@ -285,7 +288,7 @@ defaults
 frontend fe
     bind 127.0.0.1:{front}
     default_backend be
-
+{frontend}
 backend be
     http-reuse always
     option httpchk GET /readyz

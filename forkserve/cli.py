@@ -73,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         margin = 3
         sys.stdout.write(
             f"forkserve: configuration OK; {config.describe()}\n"
+            f"forkserve: behind a proxy: {config.describe_proxies()}\n"
             f"forkserve: shutdown budget {budget:g}s = lameduck {config.lameduck:g}s + drain "
             f"{config.drain_timeout:g}s + cancel grace {config.cancel_grace:g}s (+ flush); "
             f"set systemd TimeoutStopSec={budget + margin:g}, Kubernetes "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import ipaddress
 import os
 import string
 import sys
@@ -181,6 +182,24 @@ def _pids(value: Any) -> list[int]:
     return [_int(1)(item) for item in items]
 
 
+def _allow_list(value: Any) -> list[str]:
+    """Addresses, CIDR networks or ``*``, comma- or space-separated (or a YAML list); each
+    checked here, so a typo is one clear line at start-up (forkserve.proxy applies them)."""
+    items = value if isinstance(value, list) else str(value).replace(",", " ").split()
+    out = []
+    for item in (str(i).strip() for i in items):
+        if not item:
+            continue
+        if item != "*":
+            try:
+                ipaddress.ip_network(item.strip("[]"), strict=False)
+            except ValueError:
+                raise ValueError(f"expected IP addresses or CIDR networks (or *), "
+                                 f"got {item!r}") from None
+        out.append(item)
+    return out
+
+
 def _app(value: Any) -> str:
     text = _text(value).strip()
     module = text.partition(":")[0]
@@ -202,6 +221,7 @@ class Setting:
     flag: bool = False  # takes no argument on the command line
     aliases: tuple[str, ...] = ()  # extra command-line spellings (--graceful-timeout)
     several: bool = False  # takes one or more values after one flag (-sf PID PID)
+    env_aliases: tuple[str, ...] = ()  # other servers' variables honoured too, below ours
 
     @property
     def env(self) -> str:
@@ -322,6 +342,18 @@ SETTINGS: tuple[Setting, ...] = (
             flags=("--status-bind",), metavar="HOST:PORT", reloadable=False),
     Setting("error_log", _text, "-", "error-log file, or - for stderr",
             flags=("--error-log",), metavar="PATH", reloadable=False),
+    Setting("forwarded_allow_ips", _allow_list, ["127.0.0.1", "::1"],
+            "proxies trusted to say the request's scheme (X-Forwarded-Proto, X-Forwarded-Ssl, "
+            "Forwarded proto=) and, with --forwarded-for, the client's address: addresses or "
+            "CIDR networks, comma-separated, or * for any; unix-socket peers are always "
+            "trusted; from anyone else these headers change nothing",
+            flags=("--forwarded-allow-ips",), metavar="IPS",
+            env_aliases=("FORWARDED_ALLOW_IPS",)),
+    Setting("forwarded_for", _bool, False,
+            "from a trusted proxy, REMOTE_ADDR is the client's address from Forwarded for= or "
+            "X-Forwarded-For (the right-most hop that is not a trusted proxy), in the access "
+            "log too; the proxy's own address stays in environ['forkserve.peer_addr']",
+            flags=("--forwarded-for",), flag=True),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}
@@ -348,6 +380,16 @@ class Config:
         status = f"; status server on {self.status_bind}" if self.status_bind else ""
         return (f"app {self.app}: {self.worker_count} {self.worker_class} worker(s) on "
                 f"{', '.join(self.bind)}{status}")
+
+    def describe_proxies(self) -> str:
+        """What --check says of the proxy headers: whose are believed, and for what."""
+        allow = self.forwarded_allow_ips
+        who = ("any peer" if "*" in allow else
+               f"{', '.join(allow)} and unix-socket peers" if allow else "unix-socket peers only")
+        address = ("the client's, from Forwarded for= / X-Forwarded-For" if self.forwarded_for
+                   else "the peer's (--forwarded-for takes the client's from X-Forwarded-For)")
+        return (f"the scheme (Forwarded proto=, X-Forwarded-Proto, X-Forwarded-Ssl) is believed "
+                f"from {who}; REMOTE_ADDR is {address}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -390,12 +432,13 @@ def _show(value: Any) -> str:
     return ", ".join(value) if isinstance(value, list) else str(value)
 
 
-def _apply(values: dict[str, Any], sources: dict[str, str], name: str, raw: Any, source: str) -> None:
+def _apply(values: dict[str, Any], sources: dict[str, str], name: str, raw: Any, source: str,
+           env_name: str | None = None) -> None:
     setting = BY_NAME[name]
     try:
         values[name] = setting.parse(raw)
     except ValueError as exc:
-        where = {"file": f"in the config file, {name}", "env": setting.env,
+        where = {"file": f"in the config file, {name}", "env": env_name or setting.env,
                  "cli": (setting.flags or (name,))[-1]}[source]
         raise ConfigError(f"{where}: {exc}") from None
     sources[name] = source
@@ -432,11 +475,14 @@ def resolve(cli: dict[str, Any], environ: dict[str, str] | os._Environ[str]) -> 
         values["config"] = config_path
         sources["config"] = "cli" if "config" in cli else "env"
     for s in SETTINGS:
-        if s.name != "config" and s.env in environ:
-            raw_env: Any = environ[s.env]
+        # Ours first; else another server's name for it (gunicorn's FORWARDED_ALLOW_IPS), so
+        # a deployment moving over keeps its behaviour.
+        env_name = next((n for n in (s.env, *s.env_aliases) if n in environ), None)
+        if s.name != "config" and env_name is not None:
+            raw_env: Any = environ[env_name]
             if s.repeatable or s.several:
                 raw_env = [part for part in raw_env.replace(",", " ").split() if part]
-            _apply(values, sources, s.name, raw_env, "env")
+            _apply(values, sources, s.name, raw_env, "env", env_name)
     for name, raw in cli.items():
         if name in BY_NAME and name != "config" and raw is not None:
             _apply(values, sources, name, raw, "cli")
@@ -491,7 +537,8 @@ def settings_table() -> str:
             default = str(s.default).lower()
         else:
             default = _show(s.default)
-        rows.append(f"| `{s.name}` | {flags} | `{s.env}` | {default} | "
+        env = ", ".join(f"`{name}`" for name in (s.env, *s.env_aliases))
+        rows.append(f"| `{s.name}` | {flags} | {env} | {default} | "
                     f"{'yes' if s.reloadable else 'no (restart)'} | {s.help} |")
     return "\n".join(rows) + "\n"
 

@@ -97,6 +97,8 @@ class WorkerSettings:
     max_connections: int | None
     worker_connections: int
     threads: int
+    forwarded_allow_ips: list[str]
+    forwarded_for: bool
     limits: Limits  # limit_request_line, _fields, _field_size, _body
     metrics_dir: str | None = None  # the arbiter's metrics store's directory, when metrics are on
 

@@ -54,12 +54,13 @@ class Connection:
     __slots__ = ("sock", "fd", "remote", "parser", "io_timeout", "exchange", "phase",
                  "continue_sent", "_poll", "should_close", "released", "interrupt_fd",
                  "interrupted", "served", "cutoff", "owner", "waiting", "idle_since",
-                 "output_ended")
+                 "output_ended", "trusted")
 
     def __init__(self, sock: socket.socket, remote: tuple[str, str], limits: Limits,
                  io_timeout: float, should_close: Callable[[], bool] | None = None,
                  interrupt_fd: int = -1,
-                 interrupted: Callable[[Connection], bool] | None = None) -> None:
+                 interrupted: Callable[[Connection], bool] | None = None,
+                 trusted: bool = False) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.fd = sock.fileno()
@@ -83,6 +84,7 @@ class Connection:
         self.cutoff: float | None = None  # a stopping worker's limit on this wait (Abandoned)
         self.idle_since = 0.0  # monotonic time the last response ended (keep-alive idle)
         self.output_ended = False  # end_output() was called: nothing more can be sent
+        self.trusted = trusted  # the peer is a trusted proxy (see forkserve.proxy)
 
     @property
     def events(self) -> int:

@@ -26,6 +26,7 @@ from typing import Any
 from forkserve.context import CURRENT, RequestCancelled, RequestContext
 from forkserve.http import HTTPError, Request
 from forkserve.http.response import DateCache, reason_phrase, simple_response
+from forkserve.proxy import TrustedProxies
 from forkserve.sockets import Listener, refusing_new_connections
 from forkserve.workers.base import Worker, WorkerState
 from forkserve.workers.connection import Abandoned, Connection, Timeout, linger_together
@@ -79,6 +80,8 @@ class Pipeline(Worker):
         """What every request on this worker shares: the Date cache, header keys, environs."""
         self.dates = DateCache()
         self.keys = HeaderKeys()
+        self.proxies = TrustedProxies(self.settings.forwarded_allow_ips,
+                                      self.settings.forwarded_for)
         errors = ErrorStream(lambda: self.log.fd)
         self.environs: dict[int, dict[str, Any]] = {}
         for listener in self.listeners:
@@ -120,7 +123,7 @@ class Pipeline(Worker):
         interrupt_fd = self.stop_r if self.stop_pipes else self.wakeup_r
         return Connection(sock, remote_of(addr), self.settings.limits,
                           self.settings.header_timeout, self.should_close, interrupt_fd,
-                          self.interrupted)
+                          self.interrupted, self.proxies.trusts_peer(addr))
 
     def interrupted(self, conn: Connection) -> bool:
         """-- may run in a pool thread. A wait on ``conn``'s client saw its interrupt fd
@@ -325,6 +328,8 @@ class Pipeline(Worker):
         wsgi_input = Input(conn if request.has_body else None)
         environ = build_environ(request, base, self.keys, conn.remote, wsgi_input)
         environ["forkserve.finish_request"] = context.finish
+        if conn.trusted:
+            self.proxies.apply(environ)  # a proxy's word on the scheme (and the client)
         if access_log is not None:
             # The client's (or its proxy's) X-Request-ID, else a new one: the app sees the
             # same id the access log records.
@@ -371,7 +376,7 @@ class Pipeline(Worker):
                 metrics.request(request.method, status, duration)
             if access_log is not None:
                 access_log.request(
-                    conn.remote[0], request.method, environ["RAW_URI"],
+                    environ["REMOTE_ADDR"], request.method, environ["RAW_URI"],
                     environ["SERVER_PROTOCOL"], status, exchange.sent, environ.get("HTTP_REFERER"),
                     environ.get("HTTP_USER_AGENT"), started, duration, request_id)
         if self.spans is not None:

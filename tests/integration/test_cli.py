@@ -80,9 +80,12 @@ def test_check_good_app_binds_nothing(busy_port: int) -> None:
     # The address is taken: if --check tried to bind it, it would fail.
     result = forkserve("--check", "-w", "3", "-b", f"127.0.0.1:{busy_port}", "tests.apps.basic:app")
     assert result.returncode == 0, result.stderr
-    summary, budget = result.stdout.splitlines()
+    summary, proxies, budget = result.stdout.splitlines()
     assert "tests.apps.basic:app" in summary and "3" in summary and str(busy_port) in summary
     assert result.stderr == ""
+    # Issue 12: whose proxy headers are believed, and for what.
+    assert "believed from 127.0.0.1, ::1 and unix-socket peers" in proxies
+    assert "REMOTE_ADDR is the peer's" in proxies
     # Issue 4: the shutdown budget and what it implies for the supervisors.
     assert "shutdown budget 27s" in budget
     assert "TimeoutStopSec=30" in budget and "terminationGracePeriodSeconds: 30" in budget
@@ -93,6 +96,22 @@ def test_check_names_the_status_server_and_binds_nothing(busy_port: int) -> None
     result = forkserve("--check", "--status-bind", f"127.0.0.1:{busy_port}", "tests.apps.basic:app")
     assert result.returncode == 0, result.stderr
     assert f"status server on 127.0.0.1:{busy_port}" in result.stdout.splitlines()[0]
+
+
+def test_check_names_the_trusted_proxies() -> None:
+    result = forkserve("--check", "--forwarded-allow-ips", "10.0.0.0/8", "--forwarded-for",
+                       "tests.apps.basic:app")
+    assert result.returncode == 0, result.stderr
+    assert "believed from 10.0.0.0/8 and unix-socket peers; REMOTE_ADDR is the client's" in \
+        result.stdout
+
+
+def test_a_malformed_trusted_proxy_is_one_line_and_exit_2() -> None:
+    result = forkserve("--forwarded-allow-ips", "10.0.0.0/33", "tests.apps.basic:app")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "forkserve: error: --forwarded-allow-ips: expected IP addresses or CIDR networks (or *), "
+        "got '10.0.0.0/33'"]
 
 
 def test_check_budget_follows_the_settings() -> None:
