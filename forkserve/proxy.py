@@ -71,10 +71,15 @@ class TrustedProxies:
             proto = next((e["proto"] for e in reversed(elements) if "proto" in e), None)
             hops = [e.get("for", "") for e in elements]
         else:
-            proto = last_item(environ.get("HTTP_X_FORWARDED_PROTO"))
-            if proto is None and last_item(environ.get("HTTP_X_FORWARDED_SSL")) == "on":
+            x_proto = environ.get("HTTP_X_FORWARDED_PROTO")
+            x_ssl = environ.get("HTTP_X_FORWARDED_SSL")
+            x_for = environ.get("HTTP_X_FORWARDED_FOR")
+            if x_proto is None and x_ssl is None and x_for is None:
+                return  # the usual request: nothing forwarded, four dict lookups in all
+            proto = last_item(x_proto)
+            if proto is None and last_item(x_ssl) == "on":
                 proto = "https"
-            hops = split_list(environ.get("HTTP_X_FORWARDED_FOR"))
+            hops = split_list(x_for)
         if proto is not None and proto.lower() in SCHEMES:
             environ["wsgi.url_scheme"] = proto.lower()
         if self.forwarded_for and hops:
