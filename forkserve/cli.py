@@ -115,6 +115,11 @@ def _serve(config: Config, cli: dict[str, Any], args: list[str], start_cwd: str,
     from forkserve.pidfile import Pidfile
     from forkserve.systemd import Notifier
 
+    for name, why in config.derived.items():
+        # What the platform decided where the user did not ($PORT, the CPU quota...).
+        value = config.values[name]
+        shown = ", ".join(value) if isinstance(value, list) else str(value)
+        log.info(f"Using {name} {shown} ({why})", setting=name, value=shown)
     try:
         listeners, status_sock, status_deferred = open_sockets(config, handover, log)
     except (BindError, ControlError) as exc:

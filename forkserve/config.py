@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import yaml
 
+from forkserve.machine import usable_cpus
+
 ENV_PREFIX = "FORKSERVE_"
 
 
@@ -228,13 +230,6 @@ class Setting:
         return ENV_PREFIX + self.name.upper()
 
 
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 SETTINGS: tuple[Setting, ...] = (
     Setting("app", _app, None, "the WSGI application, MODULE:NAME or MODULE:factory(...)",
             metavar="MODULE:APP"),
@@ -243,11 +238,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("bind", _binds, ["127.0.0.1:8000"],
             "address to listen on: HOST:PORT, [::1]:PORT, unix:PATH or fd://N (repeatable)",
             flags=("-b", "--bind"), metavar="ADDRESS", repeatable=True, reloadable=False),
-    Setting("workers", _int(1), None, "number of worker processes (default: CPU count)",
+    Setting("workers", _int(1), None,
+            "number of worker processes (default: $WEB_CONCURRENCY, else the CPUs this process "
+            "may use: its affinity and its cgroup's CPU quota, the smaller)",
             flags=("-w", "--workers"), metavar="N"),
     Setting("worker_class", _choice("sync", "thread", "gevent"), "sync",
             "worker type: sync (one connection at a time), thread (a pool of --threads request "
-            "threads) or gevent (a greenlet per connection; pip install 'forkserve[gevent]')",
+            "threads) or gevent (a greenlet per connection; pip install 'forkserve[gevent]'); "
+            "--threads N > 1 alone chooses thread, as gunicorn does",
             flags=("-k", "--worker-class"), metavar="CLASS"),
     Setting("threads", _int(1), 4,
             "thread worker: request threads per worker (idle keep-alive connections wait in its "
@@ -365,6 +363,9 @@ class Config:
 
     values: dict[str, Any]
     sources: dict[str, str] = field(default_factory=dict)
+    # Defaults the platform decided, and why: bind from $PORT, workers from WEB_CONCURRENCY or
+    # the CPU quota, the worker class from --threads (logged at start, shown by --check).
+    derived: dict[str, str] = field(default_factory=dict)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -374,12 +375,14 @@ class Config:
 
     @property
     def worker_count(self) -> int:
-        return self.values["workers"] or _cpu_count()
+        return int(self.values["workers"])
 
     def describe(self) -> str:
         status = f"; status server on {self.status_bind}" if self.status_bind else ""
-        return (f"app {self.app}: {self.worker_count} {self.worker_class} worker(s) on "
-                f"{', '.join(self.bind)}{status}")
+        why = {name: f" ({reason})" for name, reason in self.derived.items()}
+        return (f"app {self.app}: {self.worker_count}{why.get('workers', '')} "
+                f"{self.worker_class}{why.get('worker_class', '')} worker(s) on "
+                f"{', '.join(self.bind)}{why.get('bind', '')}{status}")
 
     def describe_proxies(self) -> str:
         """What --check says of the proxy headers: whose are believed, and for what."""
@@ -488,6 +491,7 @@ def resolve(cli: dict[str, Any], environ: dict[str, str] | os._Environ[str]) -> 
             _apply(values, sources, name, raw, "cli")
     if values["app"] is None:
         raise ConfigError("no application given: forkserve [options] MODULE:APP (see --help)")
+    derived = _platform_defaults(values, sources, environ)
     if values["worker_class"] == "gevent" and importlib.util.find_spec("gevent") is None:
         raise ConfigError("-k gevent needs gevent: pip install 'forkserve[gevent]'")
     if values["preload"] and values["worker_class"] == "gevent":
@@ -495,7 +499,38 @@ def resolve(cli: dict[str, Any], environ: dict[str, str] | os._Environ[str]) -> 
         # library in each worker: gunicorn's classic gevent bug. Refuse it outright.
         raise ConfigError("--preload cannot be used with -k gevent: the application would be "
                           "imported before gevent patches the standard library")
-    return Config(values, sources)
+    return Config(values, sources, derived)
+
+
+def _platform_defaults(values: dict[str, Any], sources: dict[str, str],
+                       environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """Where the user set nothing, what PaaS and container platforms say (as gunicorn reads
+    them): $PORT (Heroku, Render, Cloud Run, Fly), WEB_CONCURRENCY, the CPU quota; and
+    --threads alone meaning the thread worker. Returns why each was chosen."""
+    derived: dict[str, str] = {}
+    port = environ.get("PORT")
+    if sources["bind"] == "default" and port:
+        if not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"PORT: expected a port number, got {port!r}")
+        values["bind"] = [f"0.0.0.0:{int(port)}"]
+        derived["bind"] = "from $PORT"
+    if values["workers"] is None:
+        concurrency = environ.get("WEB_CONCURRENCY")
+        if concurrency:
+            if not concurrency.isdigit() or int(concurrency) < 1:
+                raise ConfigError(f"WEB_CONCURRENCY: expected a whole number of at least 1, "
+                                  f"got {concurrency!r}")
+            values["workers"], derived["workers"] = int(concurrency), "from WEB_CONCURRENCY"
+        else:
+            values["workers"], why = usable_cpus()
+            derived["workers"] = f"from {why}"
+    if values["threads"] > 1 and sources["threads"] != "default" and values["worker_class"] == "sync":
+        if sources["worker_class"] != "default":
+            raise ConfigError(f"--threads {values['threads']} needs -k thread: -k sync serves "
+                              f"one request at a time per worker")
+        values["worker_class"] = "thread"
+        derived["worker_class"] = f"from --threads {values['threads']}"
+    return derived
 
 
 def unknown_env(environ: dict[str, str] | os._Environ[str]) -> list[str]:
@@ -530,7 +565,7 @@ def settings_table() -> str:
         flags = ("positional `MODULE:APP`" if s.name == "app"
                  else ", ".join(f"`{f}`" for f in s.flags + s.aliases))
         if s.name == "workers":
-            default = "CPU count"
+            default = "`WEB_CONCURRENCY`, else usable CPUs"
         elif s.default is None or s.default == []:
             default = "—"
         elif isinstance(s.default, bool):

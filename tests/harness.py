@@ -105,6 +105,10 @@ class Server:
         """Start ``argv`` in a new session with the tests on PYTHONPATH, and read its output."""
         self.argv = argv
         full_env = dict(base_env)
+        # The platform's defaults (a CI runner or a PaaS shell may set them) only when a test
+        # asks for them: else they would change every test server's bind and worker count.
+        for name in ("PORT", "WEB_CONCURRENCY", "FORWARDED_ALLOW_IPS"):
+            full_env.pop(name, None)
         full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
         full_env.update(env or {})
         self.proc = subprocess.Popen(argv, cwd=str(cwd), env=full_env, stdin=subprocess.DEVNULL,
