@@ -78,9 +78,9 @@ def test_new_connections_refused_promptly_after_term(server: Server) -> None:
     port = server.port
     assert not refused(port)
     server.signal(signal.SIGTERM)
-    started = time.monotonic()
-    wait_for(lambda: refused(port), 3, "connections to be refused after TERM")
-    assert time.monotonic() - started < 3
+    # Promptly: with nothing in flight, long before the drain timeout (25 s) could end it;
+    # the bound leaves room for a loaded machine's scheduling, not for a drain.
+    wait_for(lambda: refused(port), 10, "connections to be refused after TERM")
     assert exit_code(server, 10) == 0
 
 
@@ -204,10 +204,10 @@ BOOT_FAILURES = {
 def test_app_that_cannot_load_exits_4(server_factory: Any, tmp_path: Path, case: str) -> None:
     app, env, expected = BOOT_FAILURES[case]
     (tmp_path / "syntax_broken.py").write_text("app = 1 +\n")
-    started = time.monotonic()
     server = server_factory(app=app, env=env, cwd=tmp_path)
-    assert exit_code(server, 5) == APP_LOAD_ERROR, server.log_text()
-    assert time.monotonic() - started < 5
+    # Bounded for a hang only: a start-up beside a loaded suite takes seconds. That it gives
+    # up at once rather than retrying is test_boot_failure_is_not_a_fork_loop's (a count).
+    assert exit_code(server, 30) == APP_LOAD_ERROR, server.log_text()
     lines = errors(server)
     assert len(lines) == 1, server.log_text()
     for text in expected:
@@ -217,7 +217,7 @@ def test_app_that_cannot_load_exits_4(server_factory: Any, tmp_path: Path, case:
 
 def test_boot_failure_is_not_a_fork_loop(server_factory: Any) -> None:
     server = server_factory("--log-level", "debug", env={"TESTAPP_FAIL_IMPORT": "1"})
-    assert exit_code(server, 5) == APP_LOAD_ERROR, server.log_text()
+    assert exit_code(server, 30) == APP_LOAD_ERROR, server.log_text()
     assert server.count_log("Spawned worker") == 2, server.log_text()
 
 
@@ -226,7 +226,9 @@ def test_app_load_error_exit_code_is_reliable(server_factory: Any) -> None:
     codes = []
     for _ in range(20):
         server = server_factory(env={"TESTAPP_FAIL_IMPORT": "1"})
-        codes.append(server.wait_exit(5))
+        # What is tested is the code, not the speed: the bound only keeps a hang finite (20
+        # start-ups beside a loaded suite take seconds each).
+        codes.append(server.wait_exit(30))
         if codes[-1] != APP_LOAD_ERROR:
             pytest.fail(f"run {len(codes)}: exit code {codes[-1]}, not 4\n{server.log_text()}")
         server.close()
@@ -234,7 +236,7 @@ def test_app_load_error_exit_code_is_reliable(server_factory: Any) -> None:
 
 def test_worker_dying_while_booting_exits_3(server_factory: Any) -> None:
     server = server_factory(app="tests.apps.lifecycle:app", env={"LIFECYCLE_EXIT_ON_IMPORT": "7"})
-    assert exit_code(server, 5) == WORKER_BOOT_ERROR, server.log_text()
+    assert exit_code(server, 30) == WORKER_BOOT_ERROR, server.log_text()
     lines = errors(server)
     assert len(lines) == 1, server.log_text()
     assert "exited with code 7" in lines[0]["message"]
