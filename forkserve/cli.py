@@ -55,6 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as exc:
             _say(f"error: --chdir {config.chdir}: {exc.strerror}")
             return ExitCode.USAGE
+    if config.umask is not None:
+        os.umask(config.umask)  # before any file or socket is made (the workers inherit it)
     try:
         log = Log(config.error_log, config.log_level, config.log_format)
     except OSError as exc:
@@ -89,6 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             path, owned, removed, lock = prepare_directory(handover)
             store = Store(path, owned, lock)
+            identity = config.worker_identity()
+            if identity is not None and owned:
+                os.chown(path, identity[0], identity[1])  # --user workers write their files there
         except OSError as exc:
             log.error(f"cannot prepare the metrics directory: {exc}")
             return ExitCode.ERROR

@@ -11,9 +11,11 @@ Imports only the standard library and yaml (never the arbiter, workers or http).
 from __future__ import annotations
 
 import argparse
+import grp
 import importlib.util
 import ipaddress
 import os
+import pwd
 import string
 import sys
 from dataclasses import dataclass, field
@@ -202,6 +204,42 @@ def _allow_list(value: Any) -> list[str]:
     return out
 
 
+def _user(value: Any) -> str:
+    """A user name or uid (a uid need not be in /etc/passwd: containers often run as one)."""
+    text = _text(value).strip()
+    if not text.isdigit():
+        try:
+            pwd.getpwnam(text)
+        except KeyError:
+            raise ValueError(f"no such user: {text!r}") from None
+    return text
+
+
+def _group(value: Any) -> str:
+    text = _text(value).strip()
+    if not text.isdigit():
+        try:
+            grp.getgrnam(text)
+        except KeyError:
+            raise ValueError(f"no such group: {text!r}") from None
+    return text
+
+
+def _octal(value: Any) -> int:
+    """A file mode or umask: octal text (``027``, ``0o660``), or a YAML number (``0o27``)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    else:
+        text = str(value).strip().lower().removeprefix("0o")
+        try:
+            number = int(text, 8)
+        except ValueError:
+            raise ValueError(f"expected an octal mode such as 027 or 660, got {value!r}") from None
+    if not 0 <= number <= 0o777:
+        raise ValueError(f"expected an octal mode from 0 to 777, got {value!r}")
+    return number
+
+
 def _app(value: Any) -> str:
     text = _text(value).strip()
     module = text.partition(":")[0]
@@ -352,6 +390,27 @@ SETTINGS: tuple[Setting, ...] = (
             "X-Forwarded-For (the right-most hop that is not a trusted proxy), in the access "
             "log too; the proxy's own address stays in environ['forkserve.peer_addr']",
             flags=("--forwarded-for",), flag=True),
+    Setting("user", _user, None,
+            "run the workers as this user (name or uid): the arbiter stays root, so it can bind "
+            "privileged ports again and read keys at a reload or upgrade; needs root",
+            flags=("-u", "--user"), metavar="USER", reloadable=False),
+    Setting("group", _group, None,
+            "run the workers with this group (name or gid; default: the user's own group)",
+            flags=("-g", "--group"), metavar="GROUP", reloadable=False),
+    Setting("initgroups", _bool, False,
+            "give the workers the user's supplementary groups too (else none)",
+            flags=("--initgroups",), flag=True, reloadable=False),
+    Setting("umask", _octal, None,
+            "umask of the arbiter and workers, octal (e.g. 027): the mode of files and unix "
+            "sockets they create (default: inherited)",
+            flags=("-m", "--umask"), metavar="MASK", reloadable=False),
+    Setting("bind_mode", _octal, None,
+            "mode of the unix sockets forkserve binds, octal (e.g. 660, so that a proxy in "
+            "--bind-group can connect; default: 777 less the umask)",
+            flags=("--bind-mode",), metavar="MODE", reloadable=False),
+    Setting("bind_group", _group, None,
+            "group of the unix sockets forkserve binds (default: --group, else unchanged)",
+            flags=("--bind-group",), metavar="GROUP", reloadable=False),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}
@@ -383,6 +442,27 @@ class Config:
         return (f"app {self.app}: {self.worker_count}{why.get('workers', '')} "
                 f"{self.worker_class}{why.get('worker_class', '')} worker(s) on "
                 f"{', '.join(self.bind)}{why.get('bind', '')}{status}")
+
+    def worker_identity(self) -> tuple[int, int, tuple[int, ...]] | None:
+        """(uid, gid, supplementary groups) the workers drop to; None: they stay as we are."""
+        user, group = self.values["user"], self.values["group"]
+        if user is None and group is None:
+            return None
+        uid, gid, name = os.getuid(), os.getgid(), None
+        if user is not None:
+            entry = _passwd(user)
+            uid = int(user) if entry is None else entry.pw_uid
+            if entry is not None:
+                gid, name = entry.pw_gid, entry.pw_name
+        if group is not None:
+            gid = _gid(group)
+        groups = (tuple(os.getgrouplist(name, gid)) if self.values["initgroups"] and name
+                  else (gid,))
+        return uid, gid, groups
+
+    def bind_gid(self) -> int | None:
+        group = self.values["bind_group"] or self.values["group"]
+        return None if group is None else _gid(group)
 
     def describe_proxies(self) -> str:
         """What --check says of the proxy headers: whose are believed, and for what."""
@@ -499,7 +579,30 @@ def resolve(cli: dict[str, Any], environ: dict[str, str] | os._Environ[str]) -> 
         # library in each worker: gunicorn's classic gevent bug. Refuse it outright.
         raise ConfigError("--preload cannot be used with -k gevent: the application would be "
                           "imported before gevent patches the standard library")
-    return Config(values, sources, derived)
+    config = Config(values, sources, derived)
+    _check_privileges(config)
+    return config
+
+
+def _passwd(user: str) -> pwd.struct_passwd | None:
+    try:
+        return pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+    except KeyError:
+        return None  # a bare uid: no entry, no primary group
+
+
+def _gid(group: str) -> int:
+    return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+
+
+def _check_privileges(config: Config) -> None:
+    """--user and --group need root (dropping to ourselves is allowed, and a no-op)."""
+    identity = config.worker_identity()
+    if identity is None or os.geteuid() == 0:
+        return
+    uid, gid, _ = identity
+    if uid != os.geteuid() or gid != os.getegid():
+        raise ConfigError(f"--user/--group need root: forkserve runs as uid {os.geteuid()}")
 
 
 def _platform_defaults(values: dict[str, Any], sources: dict[str, str],

@@ -86,7 +86,8 @@ def _tcp(host: str, port: int, backlog: int, reuse_port: bool = False) -> socket
     return sock
 
 
-def _unix(path: str, backlog: int) -> socket.socket:
+def _unix(path: str, backlog: int, perms: int | None = None, gid: int | None = None
+          ) -> socket.socket:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -110,6 +111,11 @@ def _unix(path: str, backlog: int) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(path)
+        # Before listen(): nobody can connect yet, so no client ever meets the old mode.
+        if gid is not None:
+            os.chown(path, -1, gid)
+        if perms is not None:
+            os.chmod(path, perms)
         sock.listen(backlog)
     except OSError as exc:
         sock.close()
@@ -225,9 +231,11 @@ def adopt(sock: socket.socket, address: str, owned: bool = False, shared: bool =
 
 
 def bind(addresses: list[str], backlog: int, reuse_port: bool = False,
-         inherited: list[Listener] | None = None) -> list[Listener]:
+         inherited: list[Listener] | None = None, unix_mode: int | None = None,
+         unix_gid: int | None = None) -> list[Listener]:
     """Listeners for ``addresses``: inherited ones are reused when their configured address
-    or real name matches; the rest are bound. Inherited ones left over are closed."""
+    or real name matches; the rest are bound (a unix socket with ``unix_mode`` and group
+    ``unix_gid``: --bind-mode, --bind-group). Inherited ones left over are closed."""
     pool = list(inherited or [])
     listeners: list[Listener] = []
     try:
@@ -239,7 +247,7 @@ def bind(addresses: list[str], backlog: int, reuse_port: bool = False,
                 listeners.append(match)
             elif address.startswith("unix:"):
                 path = os.path.abspath(address[5:])
-                listeners.append(Listener(_unix(path, backlog), address, path))
+                listeners.append(Listener(_unix(path, backlog, unix_mode, unix_gid), address, path))
             elif address.startswith("fd://"):
                 listeners.append(Listener(_adopt(int(address[5:])), address, shared=True))
             else:

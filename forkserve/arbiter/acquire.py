@@ -31,7 +31,7 @@ def open_listeners(config: Config, handover: Handover | None, log: Log
     if handover is not None:
         inherited = [adopt(socket.socket(fileno=l.fd), l.address, owned=l.owned)
                      for l in handover.listeners]
-        return bind(config.bind, config.backlog, config.reuse_port, inherited), None
+        return _bind(config, inherited), None
     activated = listen_fds(os.environ, os.getpid())
     if activated:
         for name in activation_env_vars():
@@ -51,12 +51,17 @@ def open_listeners(config: Config, handover: Handover | None, log: Log
         if status is not None:
             status.set_inheritable(False)
         try:
-            return bind(config.bind, config.backlog, config.reuse_port, inherited), status
+            return _bind(config, inherited), status
         except BindError:
             if status is not None:
                 status.close()
             raise
-    return bind(config.bind, config.backlog, config.reuse_port), None
+    return _bind(config), None
+
+
+def _bind(config: Config, inherited: list[Listener] | None = None) -> list[Listener]:
+    return bind(config.bind, config.backlog, config.reuse_port, inherited, config.bind_mode,
+                config.bind_gid())
 
 
 def open_sockets(config: Config, handover: Handover | None, log: Log

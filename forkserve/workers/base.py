@@ -101,15 +101,19 @@ class WorkerSettings:
     forwarded_for: bool
     limits: Limits  # limit_request_line, _fields, _field_size, _body
     metrics_dir: str | None = None  # the arbiter's metrics store's directory, when metrics are on
+    # (uid, gid, groups) to drop to after fork (--user, --group, --initgroups), resolved in the
+    # arbiter: no user-database lookup in a child.
+    identity: tuple[int, int, tuple[int, ...]] | None = None
 
-    DERIVED: ClassVar[frozenset[str]] = frozenset({"limits", "metrics_dir"})
+    DERIVED: ClassVar[frozenset[str]] = frozenset({"limits", "metrics_dir", "identity"})
 
     @classmethod
     def of(cls, config: Any, metrics_dir: str | None = None) -> "WorkerSettings":
         taken = {f.name: getattr(config, f.name) for f in fields(cls) if f.name not in cls.DERIVED}
         limits = Limits(config.limit_request_line, config.limit_request_fields,
                         config.limit_request_field_size, config.limit_request_body)
-        return cls(**taken, limits=limits, metrics_dir=metrics_dir)
+        return cls(**taken, limits=limits, metrics_dir=metrics_dir,
+                   identity=config.worker_identity())
 
 
 class Worker:
@@ -134,6 +138,7 @@ class Worker:
         self.request_ids: RequestIds | None = None
         self.metrics: Recorder | None = None  # when metrics are on
         self.spans: Sinks | None = None
+        self.span_log: SpanLog | None = None  # opened before the privilege drop
         self.pool: BackgroundPool | None = None
         self.in_request = False
         self.cancellable: RequestContext | None = None  # the request a cancel would hit
@@ -236,6 +241,35 @@ class Worker:
                                worker=self.worker_id, error=str(exc))
         self.pool = BackgroundPool(self.settings.background_threads, self.counters, self.log,
                                    self._pool_changed, self.spans)
+        # Files are opened before the drop (the access log above): a path only root may write
+        # (/var/log/...) still works; its sinks are put together once the app is loaded.
+        self.span_log = SpanLog(self.settings.span_log) if self.settings.span_log else None
+        self._drop_privileges()
+
+    def _drop_privileges(self) -> None:
+        """--user/--group: after what needs root (the logs are open) and before the app is
+        imported, so that no application code ever runs as root. Groups first, the uid last
+        (after it, nothing else may change)."""
+        identity = self.settings.identity
+        if identity is None:
+            return
+        uid, gid, groups = identity
+        os.setgroups(list(groups))
+        os.setgid(gid)
+        os.setuid(uid)
+
+    def reopen_logs(self) -> None:
+        """USR1. A file the worker may no longer open (logrotate made it root's, and we run as
+        --user) keeps being written: one error line, never a crash (a crash per USR1 would
+        replace every worker)."""
+        for name, log in (("error log", self.log), ("access log", self.access_log)):
+            if log is None:
+                continue
+            try:
+                log.reopen()
+            except OSError as exc:
+                self.log.error(f"Worker cannot reopen its {name}; writing on to the old file",
+                               worker=self.worker_id, error=exc.strerror)
 
     def _boot(self) -> bool:
         if self.app is None:
@@ -255,8 +289,8 @@ class Worker:
         """After the app is loaded: it may have set up OpenTelemetry, whose buffered spans
         must then be flushed before this worker exits."""
         sinks: list[Any] = []
-        if self.settings.span_log:
-            sinks.append(SpanLog(self.settings.span_log))
+        if self.span_log is not None:
+            sinks.append(self.span_log)
         if OpenTelemetrySink.wanted():
             sinks.append(OpenTelemetrySink())
         if sinks:
@@ -318,9 +352,7 @@ class Worker:
             except BlockingIOError:
                 return
             if signal.SIGUSR1 in data:
-                self.log.reopen()
-                if self.access_log is not None:
-                    self.access_log.reopen()
+                self.reopen_logs()
                 self.log.debug("Worker reopened its log files", worker=self.worker_id)
 
     def arbiter_gone(self) -> None:

@@ -230,9 +230,7 @@ class GeventWorker(Pipeline):
         self._g_quit()
 
     def _g_reopen(self) -> None:
-        self.log.reopen()
-        if self.access_log is not None:
-            self.access_log.reopen()
+        self.reopen_logs()
 
     def _g_pause(self) -> None:
         self.pause_requested = True
