@@ -168,16 +168,16 @@ class Procs:
         return Instance("gunicorn", server)
 
     def haproxy(self, backend_port: int, check_port: int, frontend: str = "",
-                served: str = "/readyz") -> int:
+                served: str = "/readyz", server_options: str = "") -> int:
         """A real HAProxy in front of the server; returns its frontend port once ``served``
         answers 200 through it. ``frontend``: more lines for its frontend section (``option
-        forwardfor``...)."""
+        forwardfor``...); ``server_options``: more for its server line (``send-proxy-v2``)."""
         if shutil.which("haproxy") is None:
             raise RuntimeError("haproxy is not installed (apt-get install haproxy)")
         front = free_port()
         self.sequence += 1
         cfg = self.tmp / f"haproxy{self.sequence}.cfg"
-        cfg.write_text(haproxy_config(front, backend_port, check_port, frontend))
+        cfg.write_text(haproxy_config(front, backend_port, check_port, frontend, server_options))
         self.haproxy_logs.append(self.tmp / f"haproxy{self.sequence}.log")
         log = open(self.haproxy_logs[-1], "wb")  # noqa: SIM115 - closed below
         try:
@@ -264,7 +264,8 @@ def haproxy_downs(tmp: Path, logs: list[Path]) -> list[str]:
     return notes
 
 
-def haproxy_config(front: int, backend: int, check: int, frontend: str = "") -> str:
+def haproxy_config(front: int, backend: int, check: int, frontend: str = "",
+                   server_options: str = "") -> str:
     """HAProxy as deployed in front of an app server: backend keep-alive (``http-reuse always``)
     and a fast readiness check; deliberately no ``retry-on`` and no ``option redispatch``, so a
     request lost on a backend connection reaches the client (as a 502/503) instead of being
@@ -293,5 +294,5 @@ backend be
     http-reuse always
     option httpchk GET /readyz
     http-check expect status 200
-    server app 127.0.0.1:{backend} check port {check} inter 100ms fastinter 100ms downinter 100ms rise 1 fall 2
+    server app 127.0.0.1:{backend} check port {check} inter 100ms fastinter 100ms downinter 100ms rise 1 fall 2 {server_options}
 """

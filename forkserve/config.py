@@ -390,6 +390,11 @@ SETTINGS: tuple[Setting, ...] = (
             "X-Forwarded-For (the right-most hop that is not a trusted proxy), in the access "
             "log too; the proxy's own address stays in environ['forkserve.peer_addr']",
             flags=("--forwarded-for",), flag=True),
+    Setting("proxy_protocol", _bool, False,
+            "accept the PROXY protocol (v1 and v2, detected per connection) from the peers "
+            "--forwarded-allow-ips trusts, as an AWS NLB or HAProxy send-proxy sends it: "
+            "REMOTE_ADDR is the client it names; from anyone else it is refused",
+            flags=("--proxy-protocol",), flag=True),
     Setting("user", _user, None,
             "run the workers as this user (name or uid): the arbiter stays root, so it can bind "
             "privileged ports again and read keys at a reload or upgrade; needs root",

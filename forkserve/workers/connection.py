@@ -16,6 +16,8 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from forkserve.http import END, HTTPError, Limits, Request, RequestParser
+from forkserve.http import proxy_protocol
+from forkserve.http.proxy_protocol import ProxyProtocolError
 from forkserve.http.response import CONTINUE
 from forkserve.wsgi import ClientGone
 
@@ -54,13 +56,13 @@ class Connection:
     __slots__ = ("sock", "fd", "remote", "parser", "io_timeout", "exchange", "phase",
                  "continue_sent", "_poll", "should_close", "released", "interrupt_fd",
                  "interrupted", "served", "cutoff", "owner", "waiting", "idle_since",
-                 "output_ended", "trusted")
+                 "output_ended", "trusted", "peer", "_proxy")
 
     def __init__(self, sock: socket.socket, remote: tuple[str, str], limits: Limits,
                  io_timeout: float, should_close: Callable[[], bool] | None = None,
                  interrupt_fd: int = -1,
                  interrupted: Callable[[Connection], bool] | None = None,
-                 trusted: bool = False) -> None:
+                 trusted: bool = False, proxy_protocol: bool = False) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.fd = sock.fileno()
@@ -85,6 +87,10 @@ class Connection:
         self.idle_since = 0.0  # monotonic time the last response ended (keep-alive idle)
         self.output_ended = False  # end_output() was called: nothing more can be sent
         self.trusted = trusted  # the peer is a trusted proxy (see forkserve.proxy)
+        self.peer: tuple[str, str] | None = None  # the balancer's address, once a PROXY header named the client
+        # --proxy-protocol: what arrived so far while the first bytes may be a PROXY header
+        # (None once it is known whether they are).
+        self._proxy: bytes | None = b"" if proxy_protocol else None
 
     @property
     def events(self) -> int:
@@ -205,6 +211,10 @@ class Connection:
                 return False
             if not data:
                 return False
+            if self._proxy is not None:
+                data = self._take_proxy_header(data)
+                if not data:
+                    continue  # (a PROXY header alone is not yet a request: no byte "received")
             if self.phase is AWAITING:
                 self.phase = HEAD
             try:
@@ -212,6 +222,28 @@ class Connection:
             except HTTPError as exc:
                 self.parser.fail(exc)  # raised again unless complete requests come first
             return True
+
+    def _take_proxy_header(self, data: bytes) -> bytes:
+        """The connection's first bytes with --proxy-protocol: a PROXY header (v1 or v2) is
+        taken off and names the client; anything else is the request itself. Waiting for a
+        whole header is bounded as the request head is (read_head's deadline). Raises
+        ProxyProtocolError for a broken header, or one from a peer we do not trust."""
+        assert self._proxy is not None
+        buffered = self._proxy + data
+        result = proxy_protocol.parse(buffered)
+        if result is None:
+            self._proxy = buffered
+            return b""
+        self._proxy = None
+        if result == proxy_protocol.NOT_PROXY:
+            return buffered
+        assert isinstance(result, tuple)
+        if not self.trusted:
+            raise ProxyProtocolError(f"a PROXY header from {self.remote[0]}, not a trusted proxy")
+        consumed, source = result
+        if source is not None:
+            self.peer, self.remote = self.remote, source
+        return buffered[consumed:]
 
     def read_head(self, deadline: float) -> Request | None:
         """The next request's head, or None when the client closed before sending one."""

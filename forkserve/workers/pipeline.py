@@ -25,6 +25,7 @@ from typing import Any
 
 from forkserve.context import CURRENT, RequestCancelled, RequestContext
 from forkserve.http import HTTPError, Request
+from forkserve.http.proxy_protocol import ProxyProtocolError
 from forkserve.http.response import DateCache, reason_phrase, simple_response
 from forkserve.proxy import TrustedProxies
 from forkserve.sockets import Listener, refusing_new_connections
@@ -42,6 +43,7 @@ NEW_CONNECTION_GRACE = 0.5  # seconds a silent new connection gets once the work
 # the last response or the stop, whichever is later: a balancer that marked us down (paused)
 # leaves its pooled connections idle, and picks them up again just as the resume retires us.
 KEEPALIVE_CLOSE_GRACE = 0.5
+PROXY_LOG_INTERVAL = 10.0  # seconds between log lines about refused PROXY headers
 RUNNING = WorkerState.RUNNING
 STOPPING = WorkerState.STOPPING
 CANCELLED = WorkerState.CANCELLED
@@ -75,6 +77,8 @@ class Pipeline(Worker):
         self.stop_seen: float | None = None  # see stop_began
         self.stop_r = self.stop_w = self.cancel_r = self.cancel_w = -1  # see _open_stop_pipes
         self.stop_signalled = self.cancel_signalled = False
+        self.proxy_refused = 0  # PROXY headers refused since the last line about them
+        self.proxy_logged_at = -PROXY_LOG_INTERVAL
 
     def setup_http(self) -> None:
         """What every request on this worker shares: the Date cache, header keys, environs."""
@@ -123,7 +127,8 @@ class Pipeline(Worker):
         interrupt_fd = self.stop_r if self.stop_pipes else self.wakeup_r
         return Connection(sock, remote_of(addr), self.settings.limits,
                           self.settings.header_timeout, self.should_close, interrupt_fd,
-                          self.interrupted, self.proxies.trusts_peer(addr))
+                          self.interrupted, self.proxies.trusts_peer(addr),
+                          self.settings.proxy_protocol)
 
     def interrupted(self, conn: Connection) -> bool:
         """-- may run in a pool thread. A wait on ``conn``'s client saw its interrupt fd
@@ -278,6 +283,9 @@ class Pipeline(Worker):
             except HTTPError as exc:
                 self.refuse(conn, exc.status, exc.reason)
                 return Ending.LINGER
+            except ProxyProtocolError as exc:
+                self._proxy_refused(str(exc))
+                return Ending.CLOSE  # not HTTP: no answer a balancer would read
             except Timeout:
                 if conn.received:
                     self.refuse(conn, 408, "Request Timeout")
@@ -299,6 +307,16 @@ class Pipeline(Worker):
                 return Ending.LINGER if conn.has_unread() else Ending.CLOSE
             if not conn.events:
                 return Ending.IDLE  # else a pipelined request is already here
+
+    def _proxy_refused(self, why: str) -> None:
+        """A broken or untrusted PROXY header: the connection is closed; one line per
+        interval says how many (a scanner must not be able to flood the log)."""
+        self.proxy_refused += 1
+        now = time.monotonic()
+        if now - self.proxy_logged_at >= PROXY_LOG_INTERVAL:
+            self.log.warning("PROXY protocol header refused; connection closed", reason=why,
+                             refused=self.proxy_refused, worker=self.worker_id)
+            self.proxy_refused, self.proxy_logged_at = 0, now
 
     def refuse(self, conn: Connection, status: int, reason: str) -> None:
         """A request the server answers itself: it never reaches the application."""
@@ -328,6 +346,8 @@ class Pipeline(Worker):
         wsgi_input = Input(conn if request.has_body else None)
         environ = build_environ(request, base, self.keys, conn.remote, wsgi_input)
         environ["forkserve.finish_request"] = context.finish
+        if conn.peer is not None:
+            environ["forkserve.peer_addr"] = conn.peer[0]  # a PROXY header named the client
         if conn.trusted:
             self.proxies.apply(environ)  # a proxy's word on the scheme (and the client)
         if access_log is not None:

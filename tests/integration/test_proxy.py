@@ -156,3 +156,96 @@ def test_behind_a_real_haproxy_terminating_tls(server_factory: Any, ctl_dir: Pat
     assert len(seen) == CLIENTS * REQUESTS
     assert {(e["wsgi.url_scheme"], e["REMOTE_ADDR"], e["forkserve.peer_addr"]) for e in seen} == \
         {("https", "127.0.0.3", "127.0.0.1")}
+
+
+# -- the PROXY protocol ---------------------------------------------------------------------------
+def proxied(port: int, source: str, preamble: bytes, count: int = REQUESTS) -> list[dict[str, Any]]:
+    """``count`` requests for /environ, kept alive as the server allows; each connection
+    begins with ``preamble`` (a PROXY header, or nothing), as a balancer's do. (A sync
+    worker answers Connection: close while others wait: then a new connection.)"""
+    from tests.harness import read_response
+
+    seen: list[dict[str, Any]] = []
+    while len(seen) < count:
+        with socket.create_connection(("127.0.0.1", port), timeout=10,
+                                      source_address=(source, 0)) as sock:
+            sock.sendall(preamble)
+            while len(seen) < count:
+                sock.sendall(b"GET /environ HTTP/1.1\r\nHost: p\r\n\r\n")
+                response = read_response(sock)
+                assert response.status == 200, response
+                seen.append(json.loads(response.body))
+                if response.headers.get("connection", "").lower() == "close":
+                    break
+    return seen
+
+
+V1 = b"PROXY TCP4 203.0.113.10 127.0.0.1 51000 80\r\n"
+V2 = (b"\r\n\r\n\x00\r\nQUIT\n\x21\x11\x00\x0c" + bytes([203, 0, 113, 20, 127, 0, 0, 1])
+      + (52000).to_bytes(2, "big") + (80).to_bytes(2, "big"))
+
+
+@pytest.mark.parametrize("worker_class", WORKER_CLASSES)
+def test_proxy_protocol_from_a_trusted_peer_only(server_factory: Any, worker_class: str) -> None:
+    server = server_factory("-k", worker_class, "--proxy-protocol",
+                            "--forwarded-allow-ips", "127.0.0.1").wait_ready()
+    results: dict[str, list[dict[str, Any]]] = {}
+    errors: list[BaseException] = []
+
+    def run(name: str, preamble: bytes) -> None:
+        try:
+            results[name] = proxied(server.port, "127.0.0.1", preamble)
+        except BaseException as exc:  # reported in the test's thread
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=(f"{kind}{i}", preamble))
+               for i in range(CLIENTS)
+               for kind, preamble in (("v1-", V1), ("v2-", V2), ("plain-", b""))]
+    for t in threads:
+        t.start()
+    # Meanwhile an untrusted peer tries it: closed, with no answer; the others go on.
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10,
+                                      source_address=("127.0.0.2", 0)) as faker:
+            faker.sendall(V1 + b"GET /environ HTTP/1.1\r\nHost: p\r\n\r\n")
+            assert faker.recv(100) == b""
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[:3]
+    for name, seen in results.items():
+        expected = {"v1": ("203.0.113.10", "51000", "127.0.0.1"),
+                    "v2": ("203.0.113.20", "52000", "127.0.0.1"),
+                    "plain": ("127.0.0.1", None, None)}[name.split("-")[0]]
+        for env in seen:
+            got = (env["REMOTE_ADDR"], env["REMOTE_PORT"] if expected[1] else None,
+                   env.get("forkserve.peer_addr"))
+            assert got == expected, (name, env)
+    assert len(results) == 3 * CLIENTS
+    refused = server.wait_log("PROXY protocol header refused; connection closed")
+    assert "not a trusted proxy" in refused["reason"]
+    # At most a line per worker per interval, each counting the refusals it stands for (the
+    # first refusal of each worker is logged at once; 3 fakers on 2 workers: 1 or 2 lines).
+    lines = [r for r in server.records() if r.get("message", "").startswith("PROXY protocol")]
+    assert 1 <= len(lines) <= 2 and len({r["worker"] for r in lines}) == len(lines), lines
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed")
+@pytest.mark.parametrize("version", ["send-proxy", "send-proxy-v2"])
+@pytest.mark.parametrize("worker_class", WORKER_CLASSES)
+def test_behind_haproxy_sending_the_proxy_protocol(server_factory: Any, ctl_dir: Path,
+                                                   worker_class: str, version: str) -> None:
+    """An L4 balancer's view: HAProxy (``send-proxy`` or ``send-proxy-v2`` on its server line,
+    keep-alive to us) in front; clients from 127.0.0.3; the app sees 127.0.0.3."""
+    from bench.lifecycle_servers import Procs
+
+    server = server_factory("-k", worker_class, "--status-bind", "127.0.0.1:0",
+                            "--proxy-protocol").wait_ready()
+    procs = Procs(ctl_dir)
+    try:
+        front = procs.haproxy(server.port, server.status_port, served="/", server_options=version)
+        results = in_parallel([(front, "127.0.0.3", {}) for _ in range(CLIENTS)])
+    finally:
+        procs.close()
+    seen = [env for result in results for env in result]
+    assert len(seen) == CLIENTS * REQUESTS
+    assert {(e["REMOTE_ADDR"], e["forkserve.peer_addr"]) for e in seen} == {("127.0.0.3", "127.0.0.1")}
+    assert server.count_log("PROXY protocol header refused") == 0
