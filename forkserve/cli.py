@@ -64,6 +64,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.USAGE
     for name in unknown_env(os.environ):
         log.warning("Unknown setting in the environment, ignored", variable=name)
+    tls = None
+    if config.certfile:
+        from forkserve.tls import TLSError, build_context  # (ssl only when TLS is on)
+        try:
+            tls = build_context(config.values)
+        except TLSError as exc:
+            _say(f"error: {exc}")
+            return ExitCode.USAGE
 
     if check:
         try:
@@ -100,14 +108,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if removed:
             log.info("Removed metric files of an earlier run", directory=path, files=removed)
     try:
-        return _serve(config, cli, args, start_cwd, handover, store, log)
+        return _serve(config, cli, args, start_cwd, handover, store, log, tls)
     finally:
         if store is not None:
             store.close()  # after an in-place upgrade's exec this never runs: the new image keeps it
 
 
 def _serve(config: Config, cli: dict[str, Any], args: list[str], start_cwd: str,
-           handover: Handover | None, store: Any, log: Log) -> int:
+           handover: Handover | None, store: Any, log: Log, tls: Any) -> int:
     app = None
     if config.preload:
         try:
@@ -142,7 +150,7 @@ def _serve(config: Config, cli: dict[str, Any], args: list[str], start_cwd: str,
     try:
         arbiter = Arbiter(config, cli, listeners, log, app, inherited=handover, argv=args,
                           cwd=start_cwd, notifier=Notifier(os.environ), status_sock=status_sock,
-                          status_deferred=status_deferred, metrics=store)
+                          status_deferred=status_deferred, metrics=store, tls=tls)
         return arbiter.run()
     finally:
         if pidfile is not None:

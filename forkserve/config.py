@@ -395,6 +395,27 @@ SETTINGS: tuple[Setting, ...] = (
             "--forwarded-allow-ips trusts, as an AWS NLB or HAProxy send-proxy sends it: "
             "REMOTE_ADDR is the client it names; from anyone else it is refused",
             flags=("--proxy-protocol",), flag=True),
+    Setting("certfile", _optional_text, None,
+            "serve HTTPS: the certificate chain (PEM); re-read on HUP, and a new one that does "
+            "not load keeps the old",
+            flags=("--certfile",), metavar="FILE"),
+    Setting("keyfile", _optional_text, None, "its private key (PEM; default: in the --certfile)",
+            flags=("--keyfile",), metavar="FILE"),
+    Setting("keyfile_password_file", _optional_text, None,
+            "a file holding the key's password (never the password itself on the command "
+            "line, where ps shows it)",
+            flags=("--keyfile-password-file",), metavar="FILE"),
+    Setting("ca_certs", _optional_text, None,
+            "CA certificates (PEM) that client certificates must be signed by (--cert-reqs)",
+            flags=("--ca-certs",), metavar="FILE"),
+    Setting("cert_reqs", _choice("none", "optional", "required"), "none",
+            "client certificates: none, optional or required; a verified one is in "
+            "environ['forkserve.peer_cert']",
+            flags=("--cert-reqs",), metavar="WHEN"),
+    Setting("ciphers", _optional_text, None,
+            "OpenSSL cipher list for TLS 1.2 (TLS 1.3's are OpenSSL's own; TLS 1.2 at least "
+            "always)",
+            flags=("--ciphers",), metavar="LIST"),
     Setting("user", _user, None,
             "run the workers as this user (name or uid): the arbiter stays root, so it can bind "
             "privileged ports again and read keys at a reload or upgrade; needs root",
@@ -444,9 +465,10 @@ class Config:
     def describe(self) -> str:
         status = f"; status server on {self.status_bind}" if self.status_bind else ""
         why = {name: f" ({reason})" for name, reason in self.derived.items()}
+        scheme = f"; HTTPS with {self.certfile}" if self.certfile else ""
         return (f"app {self.app}: {self.worker_count}{why.get('workers', '')} "
                 f"{self.worker_class}{why.get('worker_class', '')} worker(s) on "
-                f"{', '.join(self.bind)}{why.get('bind', '')}{status}")
+                f"{', '.join(self.bind)}{why.get('bind', '')}{scheme}{status}")
 
     def worker_identity(self) -> tuple[int, int, tuple[int, ...]] | None:
         """(uid, gid, supplementary groups) the workers drop to; None: they stay as we are."""

@@ -17,6 +17,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from forkserve.config import Config, ConfigError, reloadable_changes, resolve
 from forkserve.lifecycle import Event, Rollout, State, Step, next_rollout
@@ -37,6 +38,7 @@ class Generations(Part):
     reload_wanted: bool = False
     upgrade_wanted: bool = False
     previous: tuple[Config, WorkerSettings, type] | None = None  # what a failed reload restores
+    tls: Any = None  # (ssl.SSLContext, TLSMaterial) the workers serve HTTPS with; None: HTTP
 
     def reloading(self) -> bool:
         """A reload or an upgrade is in progress: a new generation booting, an upgrade's check
@@ -84,11 +86,28 @@ class Generations(Part):
         self.previous = (self.config, self.settings, self.worker_cls)
         self.config = new
         self.log.configure(new.log_level, new.log_format)
-        self.settings = WorkerSettings.of(new, self.metrics_dir())
+        self.reload_tls(new)
+        self.settings = WorkerSettings.of(new, self.metrics_dir(), self.tls)
         self.worker_cls = worker_class(new.worker_class)
         self.notify("reloading")
         self.step(Step.RELOAD)
         self.start_generation("Reloading")
+
+    def reload_tls(self, new: Config) -> None:
+        """HUP re-reads the certificate and key (rotation without a restart); one that does
+        not load keeps the context the workers have, with an error line."""
+        from forkserve.tls import TLSError, build_context, tls_wanted
+
+        if not tls_wanted(new.values):
+            self.tls = None
+            return
+        try:
+            self.tls = build_context(new.values)
+        except TLSError as exc:
+            self.log.error("Reload: the new TLS certificate or key does not load; the workers "
+                           "keep the one they have", error=str(exc))
+            return
+        self.log.info("Reload: TLS certificate read", certfile=new.certfile)
 
     def carry_out_wanted(self) -> None:
         """A coalesced reload or upgrade, once nothing else is in progress. An upgrade also

@@ -17,7 +17,7 @@ import select
 import signal
 import time
 from dataclasses import dataclass, fields
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from setproctitle import setproctitle
 
@@ -33,6 +33,11 @@ from forkserve.sockets import Listener
 from forkserve.telemetry import AccessLog, SpanLog
 from forkserve.telemetry.accesslog import RequestIds
 from forkserve.telemetry.spans import OpenTelemetrySink, Sinks
+
+if TYPE_CHECKING:
+    import ssl  # only with TLS on: gevent must patch ssl before anything imports it
+
+    from forkserve.tls import TLSMaterial
 
 
 class WorkerState(enum.Enum):
@@ -100,21 +105,30 @@ class WorkerSettings:
     forwarded_allow_ips: list[str]
     forwarded_for: bool
     proxy_protocol: bool
+    cert_reqs: str
     limits: Limits  # limit_request_line, _fields, _field_size, _body
     metrics_dir: str | None = None  # the arbiter's metrics store's directory, when metrics are on
     # (uid, gid, groups) to drop to after fork (--user, --group, --initgroups), resolved in the
     # arbiter: no user-database lookup in a child.
     identity: tuple[int, int, tuple[int, ...]] | None = None
+    # The TLS context the arbiter built (it read the keys; a HUP builds a new one): the
+    # workers of a generation serve HTTPS with it, and what it was built from (a gevent
+    # worker builds its own from that once it patched ssl). None: plain HTTP.
+    tls: ssl.SSLContext | None = None
+    tls_material: TLSMaterial | None = None
 
-    DERIVED: ClassVar[frozenset[str]] = frozenset({"limits", "metrics_dir", "identity"})
+    DERIVED: ClassVar[frozenset[str]] = frozenset({"limits", "metrics_dir", "identity", "tls",
+                                                   "tls_material"})
 
     @classmethod
-    def of(cls, config: Any, metrics_dir: str | None = None) -> "WorkerSettings":
+    def of(cls, config: Any, metrics_dir: str | None = None,
+           tls: tuple[ssl.SSLContext, TLSMaterial] | None = None) -> "WorkerSettings":
         taken = {f.name: getattr(config, f.name) for f in fields(cls) if f.name not in cls.DERIVED}
         limits = Limits(config.limit_request_line, config.limit_request_fields,
                         config.limit_request_field_size, config.limit_request_body)
         return cls(**taken, limits=limits, metrics_dir=metrics_dir,
-                   identity=config.worker_identity())
+                   identity=config.worker_identity(), tls=tls[0] if tls else None,
+                   tls_material=tls[1] if tls else None)
 
 
 class Worker:

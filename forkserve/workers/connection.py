@@ -56,13 +56,14 @@ class Connection:
     __slots__ = ("sock", "fd", "remote", "parser", "io_timeout", "exchange", "phase",
                  "continue_sent", "_poll", "should_close", "released", "interrupt_fd",
                  "interrupted", "served", "cutoff", "owner", "waiting", "idle_since",
-                 "output_ended", "trusted", "peer", "_proxy")
+                 "output_ended", "trusted", "peer", "_proxy", "_ssl", "_handshaking",
+                 "_blocked_read", "_blocked_write", "_broken")
 
     def __init__(self, sock: socket.socket, remote: tuple[str, str], limits: Limits,
                  io_timeout: float, should_close: Callable[[], bool] | None = None,
                  interrupt_fd: int = -1,
                  interrupted: Callable[[Connection], bool] | None = None,
-                 trusted: bool = False, proxy_protocol: bool = False) -> None:
+                 trusted: bool = False, proxy_protocol: bool = False, tls: bool = False) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.fd = sock.fileno()
@@ -91,6 +92,20 @@ class Connection:
         # --proxy-protocol: what arrived so far while the first bytes may be a PROXY header
         # (None once it is known whether they are).
         self._proxy: bytes | None = b"" if proxy_protocol else None
+        # TLS (the socket is an ssl.SSLSocket, its handshake not done yet): what "would block"
+        # and "broken" mean then. Looked up here, not imported by this module: with TLS off
+        # nothing may import ssl before gevent patches it.
+        self._ssl: Any = None
+        self._handshaking = False
+        self._blocked_read: tuple[type[BaseException], ...] = (BlockingIOError,)
+        self._blocked_write: tuple[type[BaseException], ...] = (BlockingIOError,)
+        self._broken: tuple[type[BaseException], ...] = ()
+        if tls:
+            import ssl
+            self._ssl, self._handshaking = ssl, True
+            self._blocked_read = (BlockingIOError, ssl.SSLWantReadError)
+            self._blocked_write = (BlockingIOError, ssl.SSLWantWriteError)
+            self._broken = (ssl.SSLError,)
 
     @property
     def events(self) -> int:
@@ -201,13 +216,20 @@ class Connection:
     # -- reading -------------------------------------------------------------------------
     def recv(self, deadline: float) -> bool:
         """Read once and feed the parser. False at EOF. Raises Timeout, HTTPError."""
+        if self._handshaking and not self._handshake(deadline):
+            return False
         while True:
             try:
                 data = self.sock.recv(RECV_SIZE)
-            except BlockingIOError:
+            except self._blocked_read:
                 self._wait(select.POLLIN, deadline)
                 continue
+            except self._blocked_write:  # (TLS: a renegotiation wants to write)
+                self._wait(select.POLLOUT, deadline)
+                continue
             except (ConnectionResetError, ConnectionAbortedError):
+                return False
+            except self._broken:  # a TLS record that does not decrypt, or no close_notify
                 return False
             if not data:
                 return False
@@ -222,6 +244,32 @@ class Connection:
             except HTTPError as exc:
                 self.parser.fail(exc)  # raised again unless complete requests come first
             return True
+
+    def _handshake(self, deadline: float) -> bool:
+        """TLS: the handshake, here in the worker, non-blocking, within the same deadline as
+        the request head (and a stop's cutoff): a silent or slow client cannot hold a sync
+        worker longer. False when it fails (plain HTTP to an HTTPS port, a client that does
+        not trust us): the connection ends unanswered."""
+        ssl = self._ssl
+        while True:
+            try:
+                self.sock.do_handshake()  # type: ignore[attr-defined]  # an SSLSocket
+            except ssl.SSLWantReadError:
+                self._wait(select.POLLIN, deadline)
+                continue
+            except ssl.SSLWantWriteError:
+                self._wait(select.POLLOUT, deadline)
+                continue
+            except (ssl.SSLError, OSError):
+                return False
+            self._handshaking = False
+            return True
+
+    def peer_certificate(self) -> dict[str, Any] | None:
+        """TLS with --cert-reqs: the client's verified certificate (ssl's dict form)."""
+        if self._ssl is None or self._handshaking:
+            return None
+        return self.sock.getpeercert() or None  # type: ignore[attr-defined]
 
     def _take_proxy_header(self, data: bytes) -> bytes:
         """The connection's first bytes with --proxy-protocol: a PROXY header (v1 or v2) is
@@ -313,9 +361,11 @@ class Connection:
     def send(self, data: bytes) -> None:
         try:
             sent = self.sock.send(data)
-        except BlockingIOError:
+        except self._blocked_write:
             sent = 0
         except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
+            raise ClientGone(str(exc)) from None
+        except self._broken as exc:  # (TLS: SSLWantReadError too: a renegotiation, refused)
             raise ClientGone(str(exc)) from None
         if sent == len(data):
             return
@@ -324,7 +374,7 @@ class Connection:
         while view:
             try:
                 sent = self.sock.send(view)
-            except BlockingIOError:
+            except self._blocked_write:
                 try:
                     self._wait(select.POLLOUT, deadline)
                 except Timeout:
@@ -333,9 +383,13 @@ class Connection:
                 continue
             except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
                 raise ClientGone(str(exc)) from None
+            except self._broken as exc:
+                raise ClientGone(str(exc)) from None
             view = view[sent:]
 
     def sendfile(self, fileno: int, offset: int, count: int) -> int:
+        if self._ssl is not None:
+            return self._send_file_through_tls(fileno, offset, count)
         total = 0
         deadline = time.monotonic() + self.io_timeout
         while total < count:
@@ -353,6 +407,18 @@ class Connection:
             if sent == 0:
                 break  # the file is shorter than it was: stop, the length check closes
             total += sent
+        return total
+
+    def _send_file_through_tls(self, fileno: int, offset: int, count: int) -> int:
+        """os.sendfile would put the file's plaintext on the wire: read and send it instead
+        (kernel TLS offload is not used)."""
+        total = 0
+        while total < count:
+            chunk = os.pread(fileno, min(RECV_SIZE, count - total), offset + total)
+            if not chunk:
+                break  # the file is shorter than it was: stop, the length check closes
+            self.send(chunk)
+            total += len(chunk)
         return total
 
     def end_output(self) -> None:

@@ -22,6 +22,8 @@ import os
 import signal
 import socket
 import time
+import warnings
+from dataclasses import replace
 from typing import Any
 
 from forkserve.context import RequestCancelled
@@ -49,7 +51,19 @@ class GeventWorker(Pipeline):
         from gevent import monkey
 
         # Before anything else in the child, and long before the app is imported.
-        monkey.patch_all()
+        with warnings.catch_warnings():
+            if self.settings.tls is not None:
+                # The arbiter imported ssl to build (and check) the TLS context; this worker
+                # builds its own below, with gevent's ssl, and the app imports ssl after this.
+                # The warning would be about the arbiter's context, never used here.
+                warnings.filterwarnings("ignore", message="Monkey-patching ssl after ssl")
+            monkey.patch_all()
+        material = self.settings.tls_material
+        if material is not None:
+            # The arbiter's context is stdlib ssl's, which cannot wrap a socket once gevent
+            # patched it: the same certificate, key and options, as gevent's (still root).
+            from forkserve.tls import context_of
+            self.settings = replace(self.settings, tls=context_of(material))
         super()._post_fork()
         import gevent
         from gevent.event import Event

@@ -92,7 +92,10 @@ class Pipeline(Worker):
             name, port = listener.server_name_port()
             # By the listener itself, not its fd: a stopping worker closes its listeners while
             # the connections it accepted from them are still being served (fd -1 by then).
-            self.environs[id(listener)] = base_environ(name, port, errors, self.multithread)
+            base = self.environs[id(listener)] = base_environ(name, port, errors,
+                                                              self.multithread)
+            if self.settings.tls is not None:
+                base["wsgi.url_scheme"], base["HTTPS"] = "https", "on"
         if self.stop_pipes:
             self._open_stop_pipes()
 
@@ -125,10 +128,14 @@ class Pipeline(Worker):
 
     def open_connection(self, sock: socket.socket, addr: Any) -> Connection:
         interrupt_fd = self.stop_r if self.stop_pipes else self.wakeup_r
+        tls = self.settings.tls
+        if tls is not None:
+            # The handshake waits for the first read, in the connection's own waits (bounded).
+            sock = tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
         return Connection(sock, remote_of(addr), self.settings.limits,
                           self.settings.header_timeout, self.should_close, interrupt_fd,
                           self.interrupted, self.proxies.trusts_peer(addr),
-                          self.settings.proxy_protocol)
+                          self.settings.proxy_protocol, tls is not None)
 
     def interrupted(self, conn: Connection) -> bool:
         """-- may run in a pool thread. A wait on ``conn``'s client saw its interrupt fd
@@ -348,6 +355,8 @@ class Pipeline(Worker):
         environ["forkserve.finish_request"] = context.finish
         if conn.peer is not None:
             environ["forkserve.peer_addr"] = conn.peer[0]  # a PROXY header named the client
+        if self.settings.cert_reqs != "none":
+            environ["forkserve.peer_cert"] = conn.peer_certificate()
         if conn.trusted:
             self.proxies.apply(environ)  # a proxy's word on the scheme (and the client)
         if access_log is not None:

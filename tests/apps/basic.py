@@ -59,7 +59,7 @@ def app(environ, start_response):
     if path == "/pid":
         return _text(start_response, "200 OK", str(os.getpid()))
     if path == "/environ":
-        safe = {k: v for k, v in environ.items() if isinstance(v, (str, bool, int, tuple))}
+        safe = {k: v for k, v in environ.items() if isinstance(v, (str, bool, int, tuple, dict))}
         return _text(start_response, "200 OK", json.dumps(safe))
     if path == "/echo":
         body = environ["wsgi.input"].read()
