@@ -262,6 +262,7 @@ class Setting:
     aliases: tuple[str, ...] = ()  # extra command-line spellings (--graceful-timeout)
     several: bool = False  # takes one or more values after one flag (-sf PID PID)
     env_aliases: tuple[str, ...] = ()  # other servers' variables honoured too, below ours
+    secret: bool = False  # no command-line flag (ps shows argv): the environment or the file only
 
     @property
     def env(self) -> str:
@@ -405,6 +406,10 @@ SETTINGS: tuple[Setting, ...] = (
             "a file holding the key's password (never the password itself on the command "
             "line, where ps shows it)",
             flags=("--keyfile-password-file",), metavar="FILE"),
+    Setting("keyfile_password", _optional_text, None,
+            "the key's password itself: environment or config file only (no flag: ps would "
+            "show it); --keyfile-password-file wins",
+            secret=True),
     Setting("ca_certs", _optional_text, None,
             "CA certificates (PEM) that client certificates must be signed by (--cert-reqs)",
             flags=("--ca-certs",), metavar="FILE"),
@@ -514,6 +519,9 @@ def build_argparser(version: str) -> argparse.ArgumentParser:
                     "the environment or as name: in the YAML file given with -c "
                     "(precedence: defaults < file < environment < command line).",
         argument_default=argparse.SUPPRESS,
+        # No abbreviations: `--keyfile-password SECRET` must be an error, not taken as
+        # --keyfile-password-file (and the secret then printed in "cannot read SECRET").
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"forkserve {version}")
     parser.add_argument("--check", action="store_true", default=False,
@@ -522,6 +530,8 @@ def build_argparser(version: str) -> argparse.ArgumentParser:
     for s in SETTINGS:
         if s.name == "app":
             parser.add_argument("app", nargs="?", metavar=s.metavar, help=s.help)
+            continue
+        if s.secret:
             continue
         default_text = "" if s.default is None or s.default is False or s.default == [] else f" [default: {_show(s.default)}]"
         kwargs: dict[str, Any] = {"dest": s.name, "help": s.help + default_text}
@@ -693,6 +703,7 @@ def settings_table() -> str:
             "|---|---|---|---|---|---|"]
     for s in SETTINGS:
         flags = ("positional `MODULE:APP`" if s.name == "app"
+                 else "— (never: `ps` would show it)" if s.secret
                  else ", ".join(f"`{f}`" for f in s.flags + s.aliases))
         if s.name == "workers":
             default = "`WEB_CONCURRENCY`, else usable CPUs"

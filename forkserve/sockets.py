@@ -86,8 +86,8 @@ def _tcp(host: str, port: int, backlog: int, reuse_port: bool = False) -> socket
     return sock
 
 
-def _unix(path: str, backlog: int, perms: int | None = None, gid: int | None = None
-          ) -> socket.socket:
+def _unix(path: str, backlog: int, perms: int | None = None, gid: int | None = None,
+          uid: int | None = None) -> socket.socket:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -112,8 +112,8 @@ def _unix(path: str, backlog: int, perms: int | None = None, gid: int | None = N
     try:
         sock.bind(path)
         # Before listen(): nobody can connect yet, so no client ever meets the old mode.
-        if gid is not None:
-            os.chown(path, -1, gid)
+        if gid is not None or uid is not None:
+            os.chown(path, -1 if uid is None else uid, -1 if gid is None else gid)
         if perms is not None:
             os.chmod(path, perms)
         sock.listen(backlog)
@@ -232,10 +232,11 @@ def adopt(sock: socket.socket, address: str, owned: bool = False, shared: bool =
 
 def bind(addresses: list[str], backlog: int, reuse_port: bool = False,
          inherited: list[Listener] | None = None, unix_mode: int | None = None,
-         unix_gid: int | None = None) -> list[Listener]:
+         unix_gid: int | None = None, unix_uid: int | None = None) -> list[Listener]:
     """Listeners for ``addresses``: inherited ones are reused when their configured address
-    or real name matches; the rest are bound (a unix socket with ``unix_mode`` and group
-    ``unix_gid``: --bind-mode, --bind-group). Inherited ones left over are closed."""
+    or real name matches; the rest are bound (a unix socket with ``unix_mode``, group
+    ``unix_gid`` and owner ``unix_uid``: --bind-mode, --bind-group, --user). Inherited ones
+    left over are closed."""
     pool = list(inherited or [])
     listeners: list[Listener] = []
     try:
@@ -247,7 +248,8 @@ def bind(addresses: list[str], backlog: int, reuse_port: bool = False,
                 listeners.append(match)
             elif address.startswith("unix:"):
                 path = os.path.abspath(address[5:])
-                listeners.append(Listener(_unix(path, backlog, unix_mode, unix_gid), address, path))
+                listeners.append(Listener(_unix(path, backlog, unix_mode, unix_gid, unix_uid),
+                                          address, path))
             elif address.startswith("fd://"):
                 listeners.append(Listener(_adopt(int(address[5:])), address, shared=True))
             else:

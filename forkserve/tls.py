@@ -50,7 +50,7 @@ class TLSMaterial:
 def read_material(values: dict[str, Any]) -> TLSMaterial:
     """From the resolved settings (``Config.values``)."""
     certfile, keyfile = values["certfile"], values["keyfile"] or values["certfile"]
-    password = None
+    password = values.get("keyfile_password")  # (FORKSERVE_KEYFILE_PASSWORD, or the file)
     if values["keyfile_password_file"]:
         password = _read(values["keyfile_password_file"], "--keyfile-password-file").decode(
             "utf-8").rstrip("\r\n")

@@ -60,8 +60,9 @@ def open_listeners(config: Config, handover: Handover | None, log: Log
 
 
 def _bind(config: Config, inherited: list[Listener] | None = None) -> list[Listener]:
+    identity = config.worker_identity() if config.user is not None else None
     return bind(config.bind, config.backlog, config.reuse_port, inherited, config.bind_mode,
-                config.bind_gid())
+                config.bind_gid(), identity[0] if identity else None)
 
 
 def open_sockets(config: Config, handover: Handover | None, log: Log

@@ -51,6 +51,7 @@ def test_workers_run_as_the_user_and_the_arbiter_stays_root(server_factory: Any,
                             "Groups": [nobody.pw_gid]}, pid
     info = os.stat(sock_path)
     assert stat.S_IMODE(info.st_mode) == 0o660 and info.st_gid == nobody.pw_gid
+    assert info.st_uid == nobody.pw_uid  # the workers' user owns its socket
 
     with Load(server.port, "/", threads=4, seconds=30, keepalive=True) as load:
         wait_for(lambda: len(load.bodies) >= 200, 30, lambda: f"200 responses; {load.failures[:3]}")

@@ -222,3 +222,43 @@ def test_a_bad_tls_setting_is_one_line_and_exit_2(certs: Certs, args: list[str],
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("forkserve: error: ") and message in lines[0], lines
+
+
+@pytest.mark.parametrize("worker_class", WORKER_CLASSES)
+def test_usr2_upgrade_while_clients_keep_asking(server_factory: Any, certs: Certs,
+                                                worker_class: str) -> None:
+    """The new image reads the certificate itself; keep-alive and new TLS clients meanwhile get
+    every answer (none lost to the upgrade)."""
+    server = server_factory("-k", worker_class, "--certfile", str(certs.server_pem)).wait_ready()
+    url = f"https://127.0.0.1:{server.port}/"
+    stop = threading.Event()
+    answered: list[int] = []
+    failures: list[BaseException] = []
+
+    def client(keepalive: bool) -> None:
+        session = requests.Session()
+        try:
+            while not stop.is_set():
+                if not keepalive:
+                    session.close()
+                r = session.get(url, verify=str(certs.ca_pem), timeout=10)
+                assert r.status_code == 200 and r.content == b"hello\n", r
+                answered.append(1)
+        except BaseException as exc:  # reported in the test's thread
+            failures.append(exc)
+        finally:
+            session.close()
+    threads = [threading.Thread(target=client, args=(i % 2 == 0,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: len(answered) >= 50 or failures, 20, "50 answers before the upgrade")
+        server.signal(signal.SIGUSR2)
+        server.wait_log("Upgrade complete", timeout=60)
+        before = len(answered)
+        wait_for(lambda: len(answered) >= before + 50 or failures, 20, "50 answers after it")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not failures, failures[:3]

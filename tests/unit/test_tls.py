@@ -55,6 +55,14 @@ def test_an_encrypted_key_with_its_password_file(tmp_path: Path) -> None:
     (tmp_path / "password").write_text("s3cret\n")
     args = values(certfile=str(tmp_path / "cert.pem"), keyfile=str(tmp_path / "key.pem"))
     assert build_context({**args, "keyfile_password_file": str(tmp_path / "password")})
+    # Or from the environment (FORKSERVE_KEYFILE_PASSWORD: a setting with no flag).
+    from forkserve.config import ConfigError, parse_args, resolve
+    config = resolve(parse_args(["--certfile", args["certfile"], "--keyfile", args["keyfile"],
+                                 "tests.apps.basic:app"], "test")[0],
+                     {"FORKSERVE_KEYFILE_PASSWORD": "s3cret"})
+    assert build_context(config.values)
+    with pytest.raises(ConfigError):  # no such flag (and no abbreviation of another one)
+        parse_args(["--keyfile-password", "s3cret", "tests.apps.basic:app"], "test")
     (tmp_path / "password").write_text("wrong\n")
     with pytest.raises(TLSError):
         build_context({**args, "keyfile_password_file": str(tmp_path / "password")})
