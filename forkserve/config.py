@@ -204,25 +204,22 @@ def _allow_list(value: Any) -> list[str]:
     return out
 
 
-def _user(value: Any) -> str:
-    """A user name or uid (a uid need not be in /etc/passwd: containers often run as one)."""
-    text = _text(value).strip()
-    if not text.isdigit():
-        try:
-            pwd.getpwnam(text)
-        except KeyError:
-            raise ValueError(f"no such user: {text!r}") from None
-    return text
+def _account(lookup: Callable[[str], Any], what: str) -> Callable[[Any], str]:
+    """A user or group: a name, which must exist, or a number, which need not (containers
+    often run as a uid no /etc/passwd names)."""
+    def parse(value: Any) -> str:
+        text = _text(value).strip()
+        if not text.isdigit():
+            try:
+                lookup(text)
+            except KeyError:
+                raise ValueError(f"no such {what}: {text!r}") from None
+        return text
+    return parse
 
 
-def _group(value: Any) -> str:
-    text = _text(value).strip()
-    if not text.isdigit():
-        try:
-            grp.getgrnam(text)
-        except KeyError:
-            raise ValueError(f"no such group: {text!r}") from None
-    return text
+_user = _account(pwd.getpwnam, "user")
+_group = _account(grp.getgrnam, "group")
 
 
 def _octal(value: Any) -> int:

@@ -14,26 +14,13 @@ import pytest
 
 from forkserve.config import parse_args, resolve
 from forkserve.context import RequestCancelled
-from forkserve.http import HTTPError, Limits
+from forkserve.http import HTTPError
 from forkserve.logs import Log
 from forkserve.workers.base import WorkerEvent, WorkerSettings, WorkerState
 from forkserve.workers.connection import Abandoned, Connection, Phase, Timeout
 from forkserve.workers.pipeline import NEW_CONNECTION_GRACE, Pipeline
 
 HEAD = b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n"
-
-
-@pytest.fixture
-def pair() -> Iterator[Callable[..., tuple[Connection, socket.socket]]]:
-    socks: list[socket.socket] = []
-
-    def make(**kwargs: Any) -> tuple[Connection, socket.socket]:
-        ours, client = socket.socketpair()
-        socks.extend((ours, client))
-        return Connection(ours, ("127.0.0.1", "1"), Limits(), 1.0, **kwargs), client
-    yield make
-    for sock in socks:
-        sock.close()
 
 
 def soon(seconds: float = 0.05) -> float:

@@ -4,16 +4,13 @@ socketpair."""
 
 from __future__ import annotations
 
-import socket
 import struct
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
-from forkserve.http import Limits
 from forkserve.http.proxy_protocol import NOT_PROXY, V2_SIGNATURE, ProxyProtocolError, parse
-from forkserve.workers.connection import Connection
 
 REQUEST = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
 
@@ -65,19 +62,6 @@ def test_anything_else_is_not_proxy(data: bytes) -> None:
 def test_broken_headers(header: bytes) -> None:
     with pytest.raises(ProxyProtocolError):
         parse(header)
-
-
-@pytest.fixture
-def pair() -> Iterator[Any]:
-    socks: list[socket.socket] = []
-
-    def make(**kwargs: Any) -> tuple[Connection, socket.socket]:
-        ours, client = socket.socketpair()
-        socks.extend((ours, client))
-        return Connection(ours, ("127.0.0.1", "40000"), Limits(), 1.0, **kwargs), client
-    yield make
-    for sock in socks:
-        sock.close()
 
 
 def test_a_connection_takes_the_header_off_sent_in_pieces(pair: Any) -> None:
