@@ -216,7 +216,7 @@ class Connection:
     # -- reading -------------------------------------------------------------------------
     def recv(self, deadline: float) -> bool:
         """Read once and feed the parser. False at EOF. Raises Timeout, HTTPError."""
-        if self._handshaking and not self._handshake(deadline):
+        if self._handshaking and not self.handshake(deadline):
             return False
         while True:
             try:
@@ -245,13 +245,13 @@ class Connection:
                 self.parser.fail(exc)  # raised again unless complete requests come first
             return True
 
-    def _handshake(self, deadline: float) -> bool:
+    def handshake(self, deadline: float) -> bool:
         """TLS: the handshake, here in the worker, non-blocking, within the same deadline as
         the request head (and a stop's cutoff): a silent or slow client cannot hold a sync
         worker longer. False when it fails (plain HTTP to an HTTPS port, a client that does
         not trust us): the connection ends unanswered."""
         ssl = self._ssl
-        while True:
+        while self._handshaking:
             try:
                 self.sock.do_handshake()  # type: ignore[attr-defined]  # an SSLSocket
             except ssl.SSLWantReadError:
@@ -263,7 +263,7 @@ class Connection:
             except (ssl.SSLError, OSError):
                 return False
             self._handshaking = False
-            return True
+        return True
 
     def peer_certificate(self) -> dict[str, Any] | None:
         """TLS with --cert-reqs: the client's verified certificate (ssl's dict form)."""

@@ -207,22 +207,28 @@ class Pipeline(Worker):
         requests does not reset them before they read the 503), within a bounded share of
         the cancel grace."""
         deadline = time.monotonic() + self.settings.cancel_grace / 2
-        answered = [self.turn_away(sock) for sock in taken]
+        answered = [self.turn_away(sock, deadline) for sock in taken]
         for listener in listeners:
             while time.monotonic() < deadline:
                 accepted = self.accept_from(listener)
                 if accepted is None:
                     break
-                answered.append(self.turn_away(accepted[0]))
+                answered.append(self.turn_away(accepted[0], deadline))
         linger_together(answered, deadline)
 
-    def turn_away(self, sock: socket.socket) -> Connection:
+    def turn_away(self, sock: socket.socket, deadline: float) -> Connection:
         """A client still queued past the drain deadline: a 503 and the end of our output
-        (counted as a refusal: its request was never read). The caller closes it."""
-        conn = Connection(sock, ("-", "0"), self.settings.limits, 1.0)
+        (counted as a refusal: its request was never read). The caller closes it. Over TLS
+        the 503 needs the handshake first (a plaintext answer would be garbage to the
+        client): at most a second of it, within ``deadline``."""
+        tls = self.settings.tls
+        if tls is not None:
+            sock = tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        conn = Connection(sock, ("-", "0"), self.settings.limits, 1.0, tls=tls is not None)
         try:
-            conn.send(simple_response(503, "Service Unavailable", self.dates))
-        except ClientGone:
+            if conn.handshake(min(deadline, time.monotonic() + 1.0)):
+                conn.send(simple_response(503, "Service Unavailable", self.dates))
+        except (ClientGone, Timeout):
             self.log.debug("A queued client left before its 503")
         conn.end_output()
         if self.metrics is not None:

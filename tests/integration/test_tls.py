@@ -262,3 +262,41 @@ def test_usr2_upgrade_while_clients_keep_asking(server_factory: Any, certs: Cert
         for t in threads:
             t.join(30)
     assert not failures, failures[:3]
+
+
+@pytest.mark.parametrize("worker_class", WORKER_CLASSES)
+def test_a_tls_client_queued_past_the_deadline_gets_an_answer_over_tls(
+        server_factory: Any, certs: Certs, gates: Any, worker_class: str) -> None:
+    """The only worker is busy until the drain deadline; a TLS client queued meanwhile gets a
+    real HTTP answer through TLS (a 503, or a 200 where a free thread served it), never a
+    plaintext 503 it cannot read, nor a reset."""
+    server = server_factory("-k", worker_class, "--certfile", str(certs.server_pem),
+                            "--drain-timeout", "1", "--cancel-grace", "2", workers=1).wait_ready()
+    gate = gates()
+    outcome: list[Any] = []
+
+    def queued_client(raw: socket.socket) -> None:
+        try:
+            with certs.client().wrap_socket(raw, server_hostname="127.0.0.1") as sock:
+                sock.sendall(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+                outcome.append(read_response(sock).status)
+        except BaseException as exc:  # reported in the test's thread
+            outcome.append(exc)
+    raw = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    busy = certs.client().wrap_socket(raw, server_hostname="127.0.0.1")
+    try:
+        busy.sendall(f"GET {gate.route} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+        gate.wait_entered()
+        # In the listen queue before the TERM (connect() returns once the kernel queued it);
+        # its handshake, which no free worker answers yet, goes on in a thread.
+        queued = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        waiter = threading.Thread(target=queued_client, args=(queued,))
+        waiter.start()
+        server.signal(signal.SIGTERM)
+        server.wait_log("Received shutdown signal")
+        waiter.join(20)
+        assert not waiter.is_alive() and outcome and outcome[0] in (200, 503), outcome
+    finally:
+        busy.close()
+        gate.release()
+    server.wait_exit(15)
