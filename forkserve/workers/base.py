@@ -105,7 +105,6 @@ class WorkerSettings:
     forwarded_allow_ips: list[str]
     forwarded_for: bool
     proxy_protocol: bool
-    cert_reqs: str
     limits: Limits  # limit_request_line, _fields, _field_size, _body
     metrics_dir: str | None = None  # the arbiter's metrics store's directory, when metrics are on
     # (uid, gid, groups) to drop to after fork (--user, --group, --initgroups), resolved in the

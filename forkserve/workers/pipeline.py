@@ -96,6 +96,10 @@ class Pipeline(Worker):
                                                               self.multithread)
             if self.settings.tls is not None:
                 base["wsgi.url_scheme"], base["HTTPS"] = "https", "on"
+        # Client certificates: as the context this worker serves with asks for them (after a
+        # HUP that refused a new certificate, that is the old one's rule, not the setting's).
+        material = self.settings.tls_material
+        self.peer_certs = material is not None and material.cert_reqs != "none"
         if self.stop_pipes:
             self._open_stop_pipes()
 
@@ -361,7 +365,7 @@ class Pipeline(Worker):
         environ["forkserve.finish_request"] = context.finish
         if conn.peer is not None:
             environ["forkserve.peer_addr"] = conn.peer[0]  # a PROXY header named the client
-        if self.settings.cert_reqs != "none":
+        if self.peer_certs:
             environ["forkserve.peer_cert"] = conn.peer_certificate()
         if conn.trusted:
             self.proxies.apply(environ)  # a proxy's word on the scheme (and the client)

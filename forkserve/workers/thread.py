@@ -152,7 +152,7 @@ class ThreadWorker(Pipeline):
             now = time.monotonic()
             deadline = now + self.settings.header_timeout
             if self.state is not RUNNING:
-                deadline = min(deadline, stop_grace_end(conn, self.stop_began()))
+                deadline = self.stop_deadline(conn, deadline)
             self._wait_for_client(conn, listener, deadline)
 
     def _wait_for_client(self, conn: Connection, listener: Listener, deadline: float) -> None:
