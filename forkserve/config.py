@@ -613,6 +613,12 @@ def resolve(cli: dict[str, Any], environ: dict[str, str] | os._Environ[str]) -> 
         # library in each worker: gunicorn's classic gevent bug. Refuse it outright.
         raise ConfigError("--preload cannot be used with -k gevent: the application would be "
                           "imported before gevent patches the standard library")
+    if values["proxy_protocol"] and values["certfile"]:
+        # The PROXY header comes before the TLS handshake on the wire; the workers look for it
+        # in the decrypted stream, so the two together would fail every handshake. Refused
+        # rather than broken until the header is read from the raw socket.
+        raise ConfigError("--proxy-protocol cannot be used with --certfile yet: terminate TLS "
+                          "in the balancer, or drop one of them")
     config = Config(values, sources, derived)
     _check_privileges(config)
     return config

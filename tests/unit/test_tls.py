@@ -68,6 +68,15 @@ def test_an_encrypted_key_with_its_password_file(tmp_path: Path) -> None:
         build_context({**args, "keyfile_password_file": str(tmp_path / "password")})
 
 
+def test_proxy_protocol_with_tls_is_refused_not_broken(pem: Path) -> None:
+    """The PROXY header precedes the TLS handshake on the wire, and the workers read it from
+    the decrypted stream: together they would fail every handshake, so they are refused."""
+    from forkserve.config import ConfigError, parse_args, resolve
+    with pytest.raises(ConfigError, match="--proxy-protocol cannot be used with --certfile"):
+        resolve(parse_args(["--proxy-protocol", "--certfile", str(pem), "tests.apps.basic:app"],
+                           "test")[0], {})
+
+
 def test_client_certificates_need_a_ca(pem: Path, tmp_path: Path) -> None:
     with pytest.raises(TLSError, match="needs --ca-certs"):
         build_context(values(certfile=str(pem), cert_reqs="optional"))
