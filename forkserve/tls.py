@@ -28,10 +28,6 @@ class TLSError(Exception):
     """The certificate, key or options do not make a context: one line, for the operator."""
 
 
-def tls_wanted(values: dict[str, Any]) -> bool:
-    return bool(values.get("certfile"))
-
-
 @dataclass(frozen=True)
 class TLSMaterial:
     """What the arbiter read (as root) to build a context: a context can be built again from

@@ -96,11 +96,11 @@ class Generations(Part):
     def reload_tls(self, new: Config) -> None:
         """HUP re-reads the certificate and key (rotation without a restart); one that does
         not load keeps the context the workers have, with an error line."""
-        from forkserve.tls import TLSError, build_context, tls_wanted
-
-        if not tls_wanted(new.values):
-            self.tls = None
+        if not new.certfile:
+            self.tls = None  # (and ssl stays unimported: gevent must patch it first)
             return
+        from forkserve.tls import TLSError, build_context
+
         try:
             self.tls = build_context(new.values)
         except TLSError as exc:

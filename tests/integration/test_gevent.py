@@ -167,6 +167,22 @@ def test_app_importing_ssl_threading_requests_sees_them_patched(server_factory: 
     assert "MonkeyPatchWarning" not in s.log_text(), s.log_text()
 
 
+def test_a_reload_without_tls_never_loads_ssl_in_the_arbiter(server_factory: Any) -> None:
+    """The arbiter imports ssl only to build a TLS context, so that every worker it forks is
+    the first to import ssl after gevent patched it. With TLS off a HUP must not load it
+    either (it did: the reload imported forkserve.tls before asking whether TLS was on). Seen
+    in the arbiter's memory map: the _ssl extension module, loaded or not."""
+    s = server_factory(*GEVENT, workers=1).wait_ready()
+
+    def ssl_loaded() -> bool:
+        return "_ssl" in Path(f"/proc/{s.pid}/maps").read_text()
+    assert not ssl_loaded()
+    s.signal(signal.SIGHUP)
+    s.wait_log("Reload complete")
+    assert get(s.port, "/").status == 200
+    assert not ssl_loaded()
+
+
 def test_preload_never_serves_an_app_imported_before_patching(server_factory: Any) -> None:
     """With --preload the arbiter imports the app before forking, so before the worker's
     patch_all(): the same class of bug. Either the server refuses the combination (exits with
