@@ -220,16 +220,18 @@ def test_pause_and_resume_under_keepalive_load(server_factory: Any, tmp_path: Pa
     being refused while paused."""
     extra = ["-k", worker_class, *(["--threads", str(THREADS)] if worker_class == "thread" else [])]
     old = start_old(server_factory, tmp_path, *extra)
-    load = Load(old.port, threads=8, keepalive=True, seconds=60).start()
-    load.wait_requests(50)
-    for n in range(1, 4):
-        old.signal(signal.SIGTTOU)
-        wait_for(lambda: old.count_log("Paused: not listening") >= n, 10, f"pause {n}")
-        old.signal(signal.SIGTTIN)
-        wait_for(lambda: old.count_log("Resumed: listening again") >= n, 10,
-                 lambda: f"resume {n}\n{old.log_text()[-3000:]}")
+    # (A with block: a failed wait stops the load too; left running, its sockets were every
+    # later test's "leaked descriptors".) The bounds are for a hang: a resume boots a new
+    # generation, which beside two loaded suites took longer than 10 s.
+    with Load(old.port, threads=8, keepalive=True, seconds=90) as load:
         load.wait_requests(50)
-    load.stop()
+        for n in range(1, 4):
+            old.signal(signal.SIGTTOU)
+            wait_for(lambda: old.count_log("Paused: not listening") >= n, 30, f"pause {n}")
+            old.signal(signal.SIGTTIN)
+            wait_for(lambda: old.count_log("Resumed: listening again") >= n, 30,
+                     lambda: f"resume {n}\n{old.log_text()[-3000:]}")
+            load.wait_requests(50)
     assert load.failures_except("refused", 0) == [], load.summary()  # refused: while paused
     assert errors(old) == [], old.log_text()
     old.signal(signal.SIGTERM)
