@@ -16,6 +16,7 @@ bytes and dispatches. So there is no logging, locking or I/O in any handler.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 from types import FrameType
@@ -126,6 +127,21 @@ def stand_in_signals(inherited: Iterable[int], wake_on: Iterable[int],
 
 def unblock() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def on_parent_death(signum: int) -> bool:
+    """Have the kernel send ``signum`` to this process the moment its parent dies (Linux
+    ``prctl(PR_SET_PDEATHSIG)``): a worker busy in a request, which polls nothing, learns of
+    its arbiter's death at once. A change of credentials clears it (prctl(2)): call it after
+    dropping privileges. False where the call does not exist."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
 
 
 def name(signum: int) -> str:

@@ -1,8 +1,8 @@
 """The worker process's runtime: what every worker class does after fork.
 
 Owns: post-fork reset (signals, fds, process title), loading the app, the BOOTED record and
-heartbeats on the counter pipe, noticing the arbiter's death (EOF on an inherited pipe), the
-worker's own states, telemetry flushing and the exit path. Subclasses implement ``serve()``.
+heartbeats on the counter pipe, noticing the arbiter's death (EOF on an inherited pipe, and the
+kernel's parent-death signal for a worker busy in a request), the worker's own states, telemetry flushing and the exit path. Subclasses implement ``serve()``.
 
 Must not import the arbiter: a worker knows the arbiter only through the counter pipe (up)
 and signals (down).
@@ -67,9 +67,9 @@ WORKER_TRANSITIONS: dict[tuple[WorkerState, WorkerEvent], WorkerState] = {
     (WS.BOOTING, WE.STOP): WS.STOPPING,
     (WS.RUNNING, WE.STOP): WS.STOPPING,
     (WS.RUNNING, WE.RETIRE): WS.STOPPING,
-    (WS.RUNNING, WE.ARBITER_GONE): WS.STOPPING,
     **{(state, WE.CANCEL): WS.CANCELLED for state in WS if state is not WS.HALTING},
     **{(state, WE.HALT): WS.HALTING for state in WS},
+    **{(state, WE.ARBITER_GONE): WS.HALTING for state in WS},  # and out at once (orphaned)
 }
 
 
@@ -79,8 +79,11 @@ class HardStop(BaseException):
     swallow it."""
 
 
+# Sent by the kernel when the arbiter dies (see _post_fork); nobody else sends it.
+ORPHAN_SIGNAL = signal.SIGPWR
 WORKER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGABRT,
-                  signal.SIGHUP, signal.SIGUSR2, signal.SIGTTIN, signal.SIGTTOU, signal.SIGWINCH)
+                  signal.SIGHUP, signal.SIGUSR2, signal.SIGTTIN, signal.SIGTTOU, signal.SIGWINCH,
+                  ORPHAN_SIGNAL)
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,7 @@ class Worker:
             limit += random.randint(0, settings.max_requests_jitter)
         self.max_requests = limit
         self.wakeup_r = self.wakeup_w = -1
+        self.arbiter_pid = os.getppid()  # (built in the child, right after the fork)
 
     # -- the child's life ----------------------------------------------------------------
     def _enter(self, event: WorkerEvent) -> bool:
@@ -259,6 +263,10 @@ class Worker:
         # (/var/log/...) still works; its sinks are put together once the app is loaded.
         self.span_log = SpanLog(self.settings.span_log) if self.settings.span_log else None
         self._drop_privileges()
+        # After the drop (a change of credentials clears it); the arbiter may already be gone.
+        signal.signal(ORPHAN_SIGNAL, self._on_orphaned)
+        if sigs.on_parent_death(ORPHAN_SIGNAL) and os.getppid() != self.arbiter_pid:
+            self.arbiter_gone()
 
     def _drop_privileges(self) -> None:
         """--user/--group: after what needs root (the logs are open) and before the app is
@@ -357,6 +365,11 @@ class Worker:
     def _on_record(self, signum: int, frame: Any) -> None:
         return None  # USR1: the loop reads it from the wakeup fd and reopens the logs
 
+    def _on_orphaned(self, signum: int, frame: Any) -> None:
+        """The kernel's parent-death signal: the arbiter died (kill -9, the OOM killer). Acted
+        on here, not in the loop: a worker inside a request polls nothing until it ends."""
+        self.arbiter_gone()
+
     # -- the loop's helpers ---------------------------------------------------------------
     def handle_wakeups(self) -> None:
         """Read the signal numbers from the wakeup pipe and act on those the loop handles."""
@@ -370,8 +383,24 @@ class Worker:
                 self.log.debug("Worker reopened its log files", worker=self.worker_id)
 
     def arbiter_gone(self) -> None:
-        if self._enter(WorkerEvent.ARBITER_GONE):
-            self.log.warning("Arbiter is gone; worker stopping", worker=self.worker_id)
+        """The arbiter is gone: nobody supervises this worker any more (no --timeout, no
+        drain, no successor to hand clients to) and it holds the port a new instance needs.
+        So it leaves now, from wherever it is (the loop, or a signal handler inside a
+        request): listeners closed first, requests in flight cut, the access and span logs
+        written out (whole lines), no wait for background tasks."""
+        self._enter(WorkerEvent.ARBITER_GONE)
+        for listener in self.listeners:
+            listener.sock.close()
+        self.log.warning("Arbiter is gone; worker exiting now", worker=self.worker_id,
+                         in_flight=self.counters.in_flight_requests,
+                         connections=self.counters.active_connections)
+        try:
+            if self.access_log is not None:
+                self.access_log.flush()
+            if self.span_log is not None:
+                self.span_log.flush()
+        finally:
+            os._exit(ExitCode.ERROR)
 
     def report(self) -> None:
         """After a counter changed: while draining, the arbiter hears of every change (its
@@ -411,7 +440,6 @@ class Worker:
                     self.handle_wakeups()
                 else:
                     self.arbiter_gone()
-                    poller.unregister(self.alive_fd)
 
     def _close_pool(self) -> None:
         """Report tasks that never started; give running ones until the cancel grace."""

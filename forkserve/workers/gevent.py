@@ -126,9 +126,12 @@ class GeventWorker(Pipeline):
                 if self.state is not RUNNING:
                     break
                 wait_read(listener.fd)
+                self._accept_ready(listener)
+                pause = self.accept_paused_for()
+                if pause:
+                    self._gevent.sleep(pause)  # out of descriptors: the listener stays readable
             except _Wake:
                 continue
-            self._accept_ready(listener)
         # Stopping: serve the clients already queued (none is reset), then stop listening;
         # past the deadline they get a 503 instead. Retiring (max-requests) takes no more.
         if self.state is WorkerState.STOPPING and self.takes_queue(listener) or (
@@ -184,7 +187,6 @@ class GeventWorker(Pipeline):
         from gevent.socket import wait_read
 
         wait_read(self.alive_fd)  # EOF: the arbiter is gone
-        self._stop_gracefully()
         self.arbiter_gone()
 
     # -- signals (each handler runs in a greenlet of its own) --------------------------------

@@ -18,6 +18,7 @@ Must not import the arbiter (see base.py).
 from __future__ import annotations
 
 import enum
+import errno
 import os
 import socket
 import time
@@ -44,6 +45,12 @@ NEW_CONNECTION_GRACE = 0.5  # seconds a silent new connection gets once the work
 # leaves its pooled connections idle, and picks them up again just as the resume retires us.
 KEEPALIVE_CLOSE_GRACE = 0.5
 PROXY_LOG_INTERVAL = 10.0  # seconds between log lines about refused PROXY headers
+# accept() failing for want of descriptors or memory: the client stays queued and the listener
+# stays readable, so retrying at once is a busy loop (and a log line per try). The worker
+# stops accepting this long at a time, serving its open connections, and retries.
+ACCEPT_BACKOFF = 0.1
+ACCEPT_LOG_INTERVAL = 10.0  # seconds between log lines about failing accepts
+EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 RUNNING = WorkerState.RUNNING
 STOPPING = WorkerState.STOPPING
 CANCELLED = WorkerState.CANCELLED
@@ -79,6 +86,10 @@ class Pipeline(Worker):
         self.stop_signalled = self.cancel_signalled = False
         self.proxy_refused = 0  # PROXY headers refused since the last line about them
         self.proxy_logged_at = -PROXY_LOG_INTERVAL
+        self.accept_resumes = 0.0  # monotonic time accepting resumes (see accept_paused_for)
+        self.accept_failures = 0  # failed accepts since the last line about them
+        self.accept_troubled = False  # accept() failed, and no line has said it works again
+        self.accept_logged_at = -ACCEPT_LOG_INTERVAL
 
     def setup_http(self) -> None:
         """What every request on this worker shares: the Date cache, header keys, environs."""
@@ -177,17 +188,62 @@ class Pipeline(Worker):
 
     # -- the listeners ---------------------------------------------------------------------
     def accept_from(self, listener: Listener) -> tuple[socket.socket, Any] | None:
-        """One waiting client of this listener, or None (none waiting, or it is closed)."""
+        """One waiting client of this listener, or None (none waiting, it is closed, or
+        accepting is paused: see accept_paused_for)."""
         if listener.sock.fileno() < 0:
             return None  # closed at the stop signal (see SyncWorker._on_graceful)
+        if self.accept_resumes and time.monotonic() < self.accept_resumes:
+            return None
         try:
-            return listener.sock.accept()
+            accepted = listener.sock.accept()
         except (BlockingIOError, InterruptedError):
             return None
         except OSError as exc:
-            # ECONNABORTED, EMFILE...: log and go on; the listener stays usable.
-            self.log.warning("accept() failed", error=exc.strerror, worker=self.worker_id)
+            self._accept_failed(exc)
             return None
+        if self.accept_troubled:
+            self._accept_failed(None)
+        return accepted
+
+    def accept_paused_for(self) -> float:
+        """Seconds until accepting resumes after accept() ran out of descriptors (0: it is
+        not paused). The loops leave the listeners out of their polls meanwhile."""
+        if not self.accept_resumes:
+            return 0.0
+        left = self.accept_resumes - time.monotonic()
+        if left <= 0:
+            self.accept_resumes = 0.0
+            return 0.0
+        return left
+
+    def _accept_failed(self, exc: OSError | None) -> None:
+        """accept() failed (``exc``), or worked again after failures (None). Out of
+        descriptors or memory, accepting pauses (ACCEPT_BACKOFF) while open connections are
+        served. At most one line per interval, failure or recovery, with the count of
+        failures since the last one (hovering at the limit must not flood the log). A client
+        that reset before we took it (ECONNABORTED) is not worth a line."""
+        now = time.monotonic()
+        due = now - self.accept_logged_at >= ACCEPT_LOG_INTERVAL
+        if exc is None:
+            if due:
+                self.accept_logged_at = now
+                self.log.warning("Accepting connections again",
+                                 failed_accepts=self.accept_failures, worker=self.worker_id)
+                self.accept_failures, self.accept_troubled = 0, False
+            return
+        if exc.errno == errno.ECONNABORTED:
+            return
+        self.accept_failures += 1
+        self.accept_troubled = True
+        self.accept_resumes = now + ACCEPT_BACKOFF
+        if due:
+            self.accept_logged_at = now
+            exhausted = exc.errno in EXHAUSTED
+            self.log.error("accept() failed; new connections wait in the listen queue, open ones "
+                           "are still served" if exhausted else "accept() failed",
+                           error=exc.strerror, failed_accepts=self.accept_failures,
+                           worker=self.worker_id)
+            self.accept_failures = 0
 
     def takes_queue(self, listener: Listener) -> bool:
         """Stopping: must this worker serve the clients queued on ``listener``? Yes when the

@@ -42,6 +42,7 @@ class SyncWorker(Pipeline):
         self.queue_checks = 0  # alarms in a row that found the accept queue no shorter
         self.queue_seen = 0
         self.listeners_changed = False  # a handler closed a listener: the loop must forget it
+        self.listeners_muted = False  # left out of main_poll while accepting is paused
 
     def serve(self) -> None:
         self.setup_http()
@@ -77,8 +78,24 @@ class SyncWorker(Pipeline):
                 self._handle(*accepted)
                 continue
             self.before_waiting()
-            for fd, _ in self.main_poll.poll(heartbeat_ms):
+            for fd, _ in self._poll_main(heartbeat_ms):
                 self._wake(fd)
+
+    def _poll_main(self, timeout_ms: float) -> list[tuple[int, int]]:
+        """main_poll's wait, leaving the listeners out while accepting is paused (out of
+        descriptors: a queued client keeps them readable, which would be a busy loop)."""
+        pause = self.accept_paused_for()
+        if pause:
+            if not self.listeners_muted:
+                for fd in self.listener_fds:
+                    self.main_poll.modify(fd, 0)
+                self.listeners_muted = True
+            timeout_ms = min(timeout_ms, pause * 1000.0 + 1)
+        elif self.listeners_muted:
+            for fd in self.listener_fds:
+                self.main_poll.modify(fd, POLLIN)
+            self.listeners_muted = False
+        return self.main_poll.poll(timeout_ms)
 
     def _drain_accept_queue(self) -> None:
         """On a graceful stop, serve the clients already queued in the kernel (each answered
@@ -188,7 +205,7 @@ class SyncWorker(Pipeline):
                 return False
             poller.register(conn.fd, POLLIN)
             try:
-                ready = poller.poll(min(deadline - now, self.heartbeat_interval) * 1000.0 + 1)
+                ready = self._poll_main(min(deadline - now, self.heartbeat_interval) * 1000.0 + 1)
             finally:
                 poller.unregister(conn.fd)
             fds = [fd for fd, _ in ready]

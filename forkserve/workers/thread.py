@@ -108,8 +108,9 @@ class ThreadWorker(Pipeline):
     def _loop_threads(self) -> None:
         while True:
             state = self.state
+            pause = self.accept_paused_for()  # out of descriptors: retry in a moment
             if state is RUNNING and not self.pause_requested:
-                self._listen(self.counters.active_connections < self.limit)
+                self._listen(self.counters.active_connections < self.limit and not pause)
             else:
                 self._stop_listening(state)
             if state is not RUNNING:
@@ -123,12 +124,13 @@ class ThreadWorker(Pipeline):
             timeout = self.heartbeat_interval
             if self.idle:
                 timeout = min(timeout, max(min(d for _, _, d in self.idle.values()) - now, 0))
+            if pause:
+                timeout = min(timeout, pause)
             for fd, _ in self.poller.poll(timeout * 1000.0 + 1):
                 if fd == self.wakeup_r:
                     self.handle_wakeups()
                 elif fd == self.alive_fd:
                     self.arbiter_gone()
-                    self.poller.unregister(fd)
                 elif fd == self.back_r:
                     self._take_back()
                 elif fd in self.idle:

@@ -21,7 +21,11 @@ def test_what_changes() -> None:
         (WS.BOOTING, WE.STOP): WS.STOPPING,
         (WS.RUNNING, WE.STOP): WS.STOPPING,
         (WS.RUNNING, WE.RETIRE): WS.STOPPING,
-        (WS.RUNNING, WE.ARBITER_GONE): WS.STOPPING,
+        # The arbiter gone: out at once, whatever the worker was doing (see Worker.arbiter_gone).
+        (WS.BOOTING, WE.ARBITER_GONE): WS.HALTING,
+        (WS.RUNNING, WE.ARBITER_GONE): WS.HALTING,
+        (WS.STOPPING, WE.ARBITER_GONE): WS.HALTING,
+        (WS.CANCELLED, WE.ARBITER_GONE): WS.HALTING,
         (WS.BOOTING, WE.CANCEL): WS.CANCELLED,
         (WS.RUNNING, WE.CANCEL): WS.CANCELLED,
         (WS.STOPPING, WE.CANCEL): WS.CANCELLED,

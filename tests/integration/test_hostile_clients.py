@@ -1,0 +1,172 @@
+"""Hostile and broken surroundings, on every worker class (issue 13): the arbiter killed under
+a busy worker, descriptors exhausted, slow and silent clients.
+
+Real ``python -m forkserve`` process groups with 2 workers on 127.0.0.1, real sockets, real
+signals. Every wait is bounded and synchronised on an event (a request inside the app, a log
+line, a process gone), never on a sleep. CPU use is read from /proc.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from tests.harness import (Server, get, process_group, read_head, read_response, send_get,
+                           wait_for, worker_set)
+
+WORKER_CLASSES = ["sync", "thread", "gevent"]
+
+
+@pytest.fixture(autouse=True)
+def _many_descriptors() -> None:
+    """The attackers below hold hundreds of sockets in this process."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < min(hard, 4096):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+
+
+def start(server_factory: Any, worker_class: str, *args: str) -> Server:
+    server = server_factory("-k", worker_class, *args)
+    return server.wait_ready()  # type: ignore[no-any-return]
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User plus system CPU time of the processes, in seconds (/proc/PID/stat)."""
+    ticks = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def can_bind(port: int) -> bool:
+    """Could a new instance listen on the port now (as a server does: SO_REUSEADDR)?"""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        probe.bind(("127.0.0.1", port))
+        probe.listen(1)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def connections(port: int, count: int) -> list[socket.socket]:
+    socks = []
+    for _ in range(count):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        socks.append(sock)
+    return socks
+
+
+@pytest.fixture
+def held() -> Iterator[list[socket.socket]]:
+    """Sockets a test holds open; closed at teardown, whatever happened."""
+    socks: list[socket.socket] = []
+    yield socks
+    for sock in socks:
+        sock.close()
+
+
+# -- the arbiter's death --------------------------------------------------------------------
+
+@pytest.mark.parametrize("worker_class", WORKER_CLASSES)
+def test_workers_leave_within_a_second_of_the_arbiters_death_mid_request(
+        server_factory: Any, gates: Any, worker_class: str) -> None:
+    """kill -9 of the arbiter while a request is inside the app: nobody enforces --timeout any
+    more, so the request is cut and every worker is gone within a second; the port is free
+    for a new instance at once (the arbiter's successor would otherwise fail with "Address
+    already in use" for as long as the request ran)."""
+    server = start(server_factory, worker_class)
+    port = server.port
+    workers = worker_set(server, 2)
+    gate = gates()
+    client = send_get(port, gate.route)
+    gate.wait_entered()
+    os.kill(server.pid, 9)
+    killed = time.monotonic()
+    wait_for(lambda: not process_group(server.pid), 5.0,
+             lambda: f"workers {workers} to leave; left: {process_group(server.pid)}")
+    gone_after = time.monotonic() - killed
+    wait_for(lambda: can_bind(port), 5.0, f"port {port} to be free")
+    assert gone_after < 1.0, f"workers outlived the arbiter by {gone_after:.2f}s"
+    client.close()
+    assert "Arbiter is gone; worker exiting now" in server.log_text()
+
+
+@pytest.mark.parametrize("worker_class", WORKER_CLASSES)
+def test_workers_leave_within_a_second_of_the_arbiters_death_stuck_sending(
+        server_factory: Any, worker_class: str, held: list[socket.socket]) -> None:
+    """The same with the request stuck writing to a client that stopped reading (a 50 MB
+    response, of which the client read only the head)."""
+    server = start(server_factory, worker_class)
+    port = server.port
+    worker_set(server, 2)
+    sock = send_get(port, "/big?size=50000000", close=False)
+    held.append(sock)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    status, _, _ = read_head(sock)
+    assert status == 200
+    os.kill(server.pid, 9)
+    killed = time.monotonic()
+    wait_for(lambda: not process_group(server.pid), 5.0, "the workers to leave")
+    gone_after = time.monotonic() - killed
+    wait_for(lambda: can_bind(port), 5.0, f"port {port} to be free")
+    assert gone_after < 1.0, f"workers outlived the arbiter by {gone_after:.2f}s"
+
+
+# -- descriptors exhausted ------------------------------------------------------------------
+
+@pytest.mark.parametrize("worker_class", ["thread", "gevent"])
+def test_out_of_descriptors_the_accept_loop_backs_off_and_recovers(
+        server_factory: Any, worker_class: str, held: list[socket.socket]) -> None:
+    """Each worker limited to 64 descriptors while 200 clients connect and stay silent: the
+    workers that run out stop accepting for a moment at a time instead of spinning on the
+    listener (CPU stays near 0, one log line per interval, not one per try), go on serving
+    the connections they hold, and take new clients again once descriptors are free."""
+    server = start(server_factory, worker_class, "--header-timeout", "60", "--keepalive", "60")
+    port = server.port
+    workers = sorted(worker_set(server, 2))
+    # A kept-alive connection each worker already holds, served before and during the flood.
+    regulars = []
+    for _ in range(20):
+        sock = send_get(port, "/pid", close=False)
+        held.append(sock)
+        response = read_response(sock)
+        assert response.status == 200
+        regulars.append((sock, int(response.body)))
+        if {pid for _, pid in regulars} == set(workers):
+            break
+    for pid in workers:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (64, 64))
+    held.extend(connections(port, 200))
+    wait_for(lambda: server.count_log("accept() failed") >= 1, 10.0,
+             lambda: f"a worker to run out of descriptors\n{server.log_text()}")
+    before = cpu_seconds(workers)
+    started = time.monotonic()
+    for sock, _ in regulars:
+        sock.sendall(b"GET /pid HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(sock, timeout=5.0).status == 200  # open connections still served
+    wait_for(lambda: time.monotonic() - started >= 2.0, 5.0, "two seconds of exhaustion")
+    used = cpu_seconds(workers) - before
+    elapsed = time.monotonic() - started
+    assert used < 0.25 * elapsed, f"workers used {used:.2f}s CPU in {elapsed:.2f}s exhausted"
+    failures = server.count_log("accept() failed")
+    assert failures <= 2, f"{failures} accept() lines in {elapsed:.1f}s (one per interval)"
+    # Descriptors free again: new clients are accepted and answered.
+    for sock in held[len(regulars):]:
+        sock.close()
+    del held[len(regulars):]
+    assert get(port, "/", timeout=5.0).status == 200
