@@ -152,6 +152,28 @@ class RequestParser:
             return True
         return False
 
+    def request_ready(self, enough: int) -> bool:
+        """Is the request at the head of the queue ready to serve without waiting on its
+        client: its head with its whole body or at least ``enough`` bytes of it, or a head
+        that waits for ``100 Continue``, or an error to answer? (The thread worker's poll loop
+        asks, so that a slow client never holds a request thread.)"""
+        events = self._events
+        if not events:
+            return False
+        head = events[0]
+        if type(head) is not Request or not head.has_body or head.expect_continue:
+            return True
+        got = 0
+        queued = iter(events)
+        next(queued)
+        for event in queued:
+            if type(event) is not bytes:
+                return True  # END, or an error behind the body
+            got += len(event)
+            if got >= enough:
+                return True
+        return False
+
     def fail(self, error: HTTPError) -> None:
         """Refuse the request being read with ``error`` (raised by ``feed``), after those
         already complete.

@@ -57,7 +57,7 @@ class Connection:
                  "continue_sent", "_poll", "should_close", "released", "interrupt_fd",
                  "interrupted", "served", "cutoff", "owner", "waiting", "idle_since",
                  "output_ended", "trusted", "peer", "_proxy", "_ssl", "_handshaking",
-                 "_blocked_read", "_blocked_write", "_broken")
+                 "_blocked_read", "_blocked_write", "_broken", "head_began", "_refusal")
 
     def __init__(self, sock: socket.socket, remote: tuple[str, str], limits: Limits,
                  io_timeout: float, should_close: Callable[[], bool] | None = None,
@@ -87,6 +87,8 @@ class Connection:
         self.cutoff: float | None = None  # a stopping worker's limit on this wait (Abandoned)
         self.idle_since = 0.0  # monotonic time the last response ended (keep-alive idle)
         self.output_ended = False  # end_output() was called: nothing more can be sent
+        self.head_began = 0.0  # monotonic time the current head's first byte came (0: none yet)
+        self._refusal: HTTPError | None = None  # what gather() found bad, for read_head to raise
         self.trusted = trusted  # the peer is a trusted proxy (see forkserve.proxy)
         self.peer: tuple[str, str] | None = None  # the balancer's address, once a PROXY header named the client
         # --proxy-protocol: what arrived so far while the first bytes may be a PROXY header
@@ -233,17 +235,57 @@ class Connection:
                 return False
             if not data:
                 return False
-            if self._proxy is not None:
-                data = self._take_proxy_header(data)
-                if not data:
-                    continue  # (a PROXY header alone is not yet a request: no byte "received")
-            if self.phase is AWAITING:
-                self.phase = HEAD
+            if self._take(data):
+                return True
+
+    def _take(self, data: bytes) -> bool:
+        """Received bytes into the parser; False when they were only a PROXY header."""
+        if self._proxy is not None:
+            data = self._take_proxy_header(data)
+            if not data:
+                return False  # (a PROXY header alone is not yet a request: no byte "received")
+        if self.phase is AWAITING:
+            self.phase = HEAD
+            self.head_began = time.monotonic()
+        try:
+            self.parser.feed(data)
+        except HTTPError as exc:
+            self.parser.fail(exc)  # raised again unless complete requests come first
+        return True
+
+    def gather(self, enough: int) -> bool:
+        """Read what the client has sent so far, without waiting (the thread worker's poll loop,
+        so that no request thread waits on a slow client). True once a thread should take
+        over: the request is ready (RequestParser.request_ready: its head, and its body or
+        ``enough`` of it), the client closed or broke off, or what came cannot be served
+        (the thread answers that). Raises ProxyProtocolError (a refused PROXY header)."""
+        parser = self.parser
+        while True:
+            if self._handshaking:
+                ssl = self._ssl
+                try:
+                    self.sock.do_handshake()  # type: ignore[attr-defined]  # an SSLSocket
+                except ssl.SSLWantReadError:
+                    return False
+                except (ssl.SSLError, OSError):
+                    return True  # (or it wants to write): the thread's own wait sorts it out
+                self._handshaking = False
             try:
-                self.parser.feed(data)
+                data = self.sock.recv(RECV_SIZE)
+            except self._blocked_read:
+                return parser.request_ready(enough)
+            except OSError:  # reset, or (ssl.SSLError) a TLS record that does not decrypt
+                return True  # the thread sees it again and closes
+            if not data:
+                return True  # closed: the thread sees the end and closes (or answers what came)
+            if self.phase is IDLE:
+                self.phase = AWAITING  # (as read_head would: the next request is coming)
+            try:
+                if self._take(data) and parser.request_ready(enough):
+                    return True
             except HTTPError as exc:
-                self.parser.fail(exc)  # raised again unless complete requests come first
-            return True
+                self._refusal = exc  # the thread's read_head raises it: a 4xx, as always
+                return True
 
     def handshake(self, deadline: float) -> bool:
         """TLS: the handshake, here in the worker, non-blocking, within the same deadline as
@@ -298,12 +340,17 @@ class Connection:
         parser = self.parser
         pending = parser.pending
         # Left as it ends (HEAD or AWAITING) when the wait fails: its handler asks `received`.
-        self.phase = HEAD if pending() else AWAITING
+        if self.phase is not HEAD:  # (HEAD: gather() has some of it)
+            self.phase = HEAD if pending() else AWAITING
+        if self._refusal is not None:
+            refusal, self._refusal = self._refusal, None
+            raise refusal
         while not pending():
             if not self.recv(deadline):
                 return None
         head = parser.next_event()
         self.cutoff = None  # a request is here: the next wait for one gets its own grace
+        self.head_began = 0.0
         if type(head) is not Request:
             raise head  # type: ignore[misc]  # an HTTPError queued by RequestParser.fail
         self.continue_sent = False

@@ -51,6 +51,10 @@ PROXY_LOG_INTERVAL = 10.0  # seconds between log lines about refused PROXY heade
 ACCEPT_BACKOFF = 0.1
 ACCEPT_LOG_INTERVAL = 10.0  # seconds between log lines about failing accepts
 EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+# Bytes of a request body gathered without waiting before the request is served (a larger body
+# streams to the app): the sync and thread workers read a request this far before they commit
+# the worker or a thread to it, so that a slow client never holds one (see Connection.gather).
+BODY_BUFFER = 65536
 RUNNING = WorkerState.RUNNING
 STOPPING = WorkerState.STOPPING
 CANCELLED = WorkerState.CANCELLED
@@ -245,6 +249,16 @@ class Pipeline(Worker):
                            worker=self.worker_id)
             self.accept_failures = 0
 
+    def gathered_until(self, conn: Connection, deadline: float) -> float:
+        """After a ``gather()`` that left ``conn``'s request unready: until when its client
+        may take, bounded as a wait on it would be: the head by --header-timeout from its
+        first byte, a body by the same time between its pieces; ``deadline`` (the wait for
+        the first byte) while nothing came."""
+        if not conn.received:
+            return deadline
+        began = time.monotonic() if conn.events else conn.head_began
+        return began + self.settings.header_timeout
+
     def takes_queue(self, listener: Listener) -> bool:
         """Stopping: must this worker serve the clients queued on ``listener``? Yes when the
         arbiter made it refuse new clients (a full stop: no one else will serve them), or
@@ -352,7 +366,9 @@ class Pipeline(Worker):
         header_timeout = self.settings.header_timeout
         while True:
             try:
-                request = conn.read_head(time.monotonic() + header_timeout)
+                # From the head's first byte if some came already (the thread worker's poll
+                # loop gathers heads), else from now.
+                request = conn.read_head((conn.head_began or time.monotonic()) + header_timeout)
             except HTTPError as exc:
                 self.refuse(conn, exc.status, exc.reason)
                 return Ending.LINGER

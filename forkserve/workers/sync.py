@@ -7,6 +7,14 @@ connection it also watches the listeners, and if it accepts a newcomer it parks 
 connection and serves the newcomer. So 50 keep-alive clients on 2 workers never wait for
 each other's idle timeout (uWSGI's http11-socket does make them wait).
 
+A sync worker commits itself to a connection only once its request is ready: the whole head,
+and the body or its first 64 KiB (``Connection.gather``, without waiting). A client that
+connected and has not sent that yet waits among the worker's *pending* connections, watched by
+the same poll, each bounded by --header-timeout; so slow and silent clients (slowloris) cost
+a poll entry, not the worker. What a sync worker cannot escape by design: a request it serves
+holds it to the end, a client that reads its response slowly included (a buffering proxy in
+front absorbs those; see the README's Security section).
+
 Owns: that loop, and what a worker busy in its one request does at a stop from its signal
 handlers (it cannot act otherwise until the request ends). The requests themselves are
 ``Pipeline``'s.
@@ -20,10 +28,11 @@ import socket
 import time
 from typing import Any
 
+from forkserve.http.proxy_protocol import ProxyProtocolError
 from forkserve.sockets import Listener, accept_queue_length, queued_clients
 from forkserve.workers.base import WorkerState
 from forkserve.workers.connection import Connection
-from forkserve.workers.pipeline import Pipeline, stop_grace_end
+from forkserve.workers.pipeline import BODY_BUFFER, Pipeline, stop_grace_end
 
 POLLIN = select.POLLIN
 RUNNING = WorkerState.RUNNING
@@ -43,6 +52,10 @@ class SyncWorker(Pipeline):
         self.queue_seen = 0
         self.listeners_changed = False  # a handler closed a listener: the loop must forget it
         self.listeners_muted = False  # left out of main_poll while accepting is paused
+        # Accepted, request not ready yet (see the module's docstring): fd -> conn, listener,
+        # the time it may take until.
+        self.pending: dict[int, tuple[Connection, Listener, float]] = {}
+        self.limit = self.settings.max_connections or 1000  # connections held, pending ones too
 
     def serve(self) -> None:
         self.setup_http()
@@ -58,6 +71,7 @@ class SyncWorker(Pipeline):
         self.listener_fds = {listener.fd: listener for listener in self.listeners}
         try:
             self._loop()
+            self._settle_pending()
             if self.state is WorkerState.STOPPING and not self.retire_reason:
                 self._drain_accept_queue()
             elif self.state is WorkerState.CANCELLED:
@@ -73,31 +87,130 @@ class SyncWorker(Pipeline):
                 self._pause()
             elif self.listeners_changed:
                 self._forget_closed_listeners()
-            accepted = self._accept()
+            if self.pending:
+                # Pending clients whose request came are served before anyone new: under a
+                # steady queue they would otherwise wait for a lull.
+                self._expire_pending()
+                if self._round(0.0):
+                    continue
+            accepted = self._accept() if self.counters.active_connections < self.limit else None
             if accepted is not None:
-                self._handle(*accepted)
+                self._take(*accepted)
                 continue
             self.before_waiting()
-            for fd, _ in self._poll_main(heartbeat_ms):
-                self._wake(fd)
+            self._round(self._until_due(heartbeat_ms))
 
-    def _poll_main(self, timeout_ms: float) -> list[tuple[int, int]]:
-        """main_poll's wait, leaving the listeners out while accepting is paused (out of
-        descriptors: a queued client keeps them readable, which would be a busy loop)."""
+    def _round(self, timeout_ms: float, listen: bool = True) -> bool:
+        """One poll of everything: signals, the arbiter, pending clients (and, to end the wait,
+        the listeners). True when it served a request or read a signal: the loop looks at the
+        state and the queue again."""
+        acted = False
+        for fd, _ in self._poll_main(timeout_ms, listen):
+            if fd in self.pending:
+                ready = self._gather(fd)
+                if ready is not None:
+                    self._serve(*ready)
+                    acted = True
+            elif fd not in self.listener_fds:
+                self._wake(fd)
+                acted = True
+        return acted
+
+    def _until_due(self, timeout_ms: float) -> float:
+        """``timeout_ms``, or less: until the first pending client's time is up."""
+        if self.pending:
+            due = min(deadline for _, _, deadline in self.pending.values())
+            timeout_ms = min(timeout_ms, max(due - time.monotonic(), 0.0) * 1000.0 + 1)
+        return timeout_ms
+
+    # -- pending clients ---------------------------------------------------------------------
+    def _take(self, sock: socket.socket, addr: Any, listener: Listener) -> None:
+        """A client just accepted: served now if its request is here (the usual case: one recv
+        reads it), else pending."""
+        ready = self._pend(sock, addr, listener)
+        if ready is not None:
+            self._serve(*ready)
+
+    def _pend(self, sock: socket.socket, addr: Any,
+              listener: Listener) -> tuple[Connection, Listener] | None:
+        """A client just accepted, pending: its connection once its request is ready."""
+        conn = self.open_connection(sock, addr)
+        self.admit(conn)
+        self.pending[conn.fd] = (conn, listener, time.monotonic() + self.settings.header_timeout)
+        self.main_poll.register(conn.fd, POLLIN)
+        self.waiting_poll.register(conn.fd, POLLIN)  # a client waits: see should_close
+        return self._gather(conn.fd)
+
+    def _gather(self, fd: int) -> tuple[Connection, Listener] | None:
+        """Read what a pending client sent; the connection and its listener once its request
+        is ready (no longer pending), else None."""
+        conn, listener, deadline = self.pending[fd]
+        try:
+            ready = conn.gather(BODY_BUFFER)
+        except ProxyProtocolError as exc:
+            self._proxy_refused(str(exc))
+            self._unpend(fd)
+            self.release(conn)  # not HTTP: no answer a balancer would read
+            return None
+        if not ready:
+            self.pending[fd] = (conn, listener, self.gathered_until(conn, deadline))
+            return None
+        self._unpend(fd)
+        return conn, listener
+
+    def _unpend(self, fd: int) -> None:
+        del self.pending[fd]
+        self.main_poll.unregister(fd)
+        self.waiting_poll.unregister(fd)
+
+    def _expire_pending(self) -> None:
+        """Pending clients whose time is up: a request begun and not finished in time gets a
+        408 here (it never reaches the app); a silent one is closed, unless a stopping worker
+        finds its request arrived just now (answered, never reset)."""
+        now = time.monotonic()
+        for fd, (conn, listener, deadline) in list(self.pending.items()):
+            if now < deadline or fd not in self.pending:
+                continue
+            self._unpend(fd)
+            if conn.received:
+                self.refuse(conn, 408, "Request Timeout")
+            elif self.state is WorkerState.STOPPING and conn.readable_now():
+                self._serve(conn, listener)
+                continue
+            self.release(conn)
+
+    def _settle_pending(self) -> None:
+        """The worker stops with clients pending: a request begun is served to its end
+        within its own bounds (as one being read would be); a silent client gets the stop's
+        short grace; past the drain deadline, a request begun gets a 503."""
+        stop_began = self.stop_began() if self.pending else 0.0
+        for fd, (conn, listener, deadline) in list(self.pending.items()):
+            if not conn.received:
+                self.pending[fd] = (conn, listener, min(deadline, stop_grace_end(conn, stop_began)))
+        while self.pending and self.state is WorkerState.STOPPING:
+            self._expire_pending()
+            self._round(self._until_due(self.heartbeat_interval * 1000.0), listen=False)
+        for fd, (conn, _, _) in list(self.pending.items()):
+            self._unpend(fd)
+            if conn.received and self.state is WorkerState.CANCELLED:
+                self.refuse(conn, 503, "Service Unavailable")
+            self.release(conn)
+
+    def _poll_main(self, timeout_ms: float, listen: bool = True) -> list[tuple[int, int]]:
+        """main_poll's wait, leaving the listeners out while the worker takes no one (full,
+        out of descriptors, settling its pending clients at a stop): a queued client keeps
+        them readable, which would make the wait a busy loop."""
         pause = self.accept_paused_for()
         if pause:
-            if not self.listeners_muted:
-                for fd in self.listener_fds:
-                    self.main_poll.modify(fd, 0)
-                self.listeners_muted = True
             timeout_ms = min(timeout_ms, pause * 1000.0 + 1)
-        elif self.listeners_muted:
+        mute = bool(pause) or not listen or self.counters.active_connections >= self.limit
+        if mute is not self.listeners_muted:
             for fd in self.listener_fds:
-                self.main_poll.modify(fd, POLLIN)
-            self.listeners_muted = False
+                self.main_poll.modify(fd, 0 if mute else POLLIN)
+            self.listeners_muted = mute
         return self.main_poll.poll(timeout_ms)
 
-    def _drain_accept_queue(self) -> None:
+    def _drain_accept_queue(self) -> None:  # (pending clients: settled before this)
         """On a graceful stop, serve the clients already queued in the kernel (each answered
         with Connection: close) rather than let closing the listener reset them (see
         takes_queue for which queues are ours to serve). One at a time, as the other
@@ -159,6 +272,14 @@ class SyncWorker(Pipeline):
         elif fd == self.alive_fd:
             self.arbiter_gone()
 
+    def _newcomer(self) -> tuple[Connection, Listener] | None:
+        """While a kept-alive connection idles: a client from the queue whose request is
+        ready (else it is pending, and None)."""
+        if self.counters.active_connections >= self.limit:
+            return None
+        accepted = self._accept()
+        return None if accepted is None else self._pend(*accepted)
+
     def _accept(self) -> tuple[socket.socket, Any, Listener] | None:
         for listener in self.listeners:
             accepted = self.accept_from(listener)
@@ -172,12 +293,16 @@ class SyncWorker(Pipeline):
         kept-alive client would otherwise hold it (and so its copy of the port, and the
         clients queued at the pause) for as long as it keeps sending."""
         return (self.state is not RUNNING or bool(self.parked) or self.settings.keepalive <= 0
-                or self.pause_requested or bool(self.waiting_poll.poll(0)))
+                or self.pause_requested or bool(self.waiting_poll.poll(0)))  # (pending clients too)
 
     # -- one connection --------------------------------------------------------------------
     def _handle(self, sock: socket.socket, addr: Any, listener: Listener) -> None:
+        """A client taken from the queue at a stop (its request read the usual way, bounded)."""
         conn = self.open_connection(sock, addr)
         self.admit(conn)
+        self._serve(conn, listener)
+
+    def _serve(self, conn: Connection, listener: Listener) -> None:
         self.busy = True
         try:
             self.keep_serving(conn, listener)
@@ -215,14 +340,19 @@ class SyncWorker(Pipeline):
                 return True
             newcomer = None
             for fd in fds:
+                if newcomer is not None:
+                    continue  # (still readable at the next poll)
                 if fd in self.listener_fds:
-                    newcomer = newcomer or self._accept()
+                    newcomer = self._newcomer()
+                elif fd in self.pending:
+                    newcomer = self._gather(fd)
                 else:
                     self._wake(fd)
+            self._expire_pending()
             if newcomer is not None:
                 self.parked.append(conn)
                 try:
-                    self._handle(*newcomer)
+                    self._serve(*newcomer)
                 finally:
                     self.parked.remove(conn)
         return self._wait_idle_stopping(conn, deadline)

@@ -2,10 +2,12 @@
 
 Owns: the poll loop (main thread) and the hand-off of ready connections to the pool. Only the
 main thread changes a connection's place: it accepts, it watches idle keep-alive connections
-(they wait in the poller, never in a thread), and it hands a connection whose client has sent
-something to a pool thread, which serves the requests that are there and hands it back (or
-closes it). So N threads serve N requests at once while any number of idle keep-alive clients
-cost nothing but a poll entry.
+(they wait in the poller, never in a thread), it reads what their clients send without
+waiting until a request is ready (its whole head, and its body or the first 64 KiB of it), and
+then hands the connection to a pool thread, which serves the requests that are there and
+hands it back (or closes it). So N threads serve N requests at once while any number of idle,
+silent or slow clients (slowloris: a header byte every few seconds) cost a poll entry and
+their bytes so far, never a thread.
 
 Cancellation at the drain deadline raises ``RequestCancelled`` asynchronously in each request's
 thread (``PyThreadState_SetAsyncExc``). Honestly: an asynchronous exception is only seen when
@@ -31,10 +33,11 @@ import time
 from typing import Any
 
 from forkserve.context import RequestCancelled
+from forkserve.http.proxy_protocol import ProxyProtocolError
 from forkserve.sockets import Listener
 from forkserve.workers.base import WorkerEvent, WorkerState, drain_pipe
 from forkserve.workers.connection import Abandoned, Connection
-from forkserve.workers.pipeline import Ending, Pipeline, stop_grace_end
+from forkserve.workers.pipeline import BODY_BUFFER, Ending, Pipeline, stop_grace_end
 from forkserve.wsgi import ClientGone
 
 POLLIN = select.POLLIN
@@ -134,9 +137,7 @@ class ThreadWorker(Pipeline):
                 elif fd == self.back_r:
                     self._take_back()
                 elif fd in self.idle:
-                    conn, listener, _ = self.idle.pop(fd)
-                    self.poller.unregister(fd)
-                    self.work.put((conn, listener))
+                    self._gather(fd)
                 elif fd in self.listener_fds:
                     self._accept_into_pool(self.listener_fds[fd])
             self._expire_idle(time.monotonic())
@@ -156,12 +157,32 @@ class ThreadWorker(Pipeline):
             if self.state is not RUNNING:
                 deadline = self.stop_deadline(conn, deadline)
             self._wait_for_client(conn, listener, deadline)
+            self._gather(conn.fd)  # its request is often here already: no poll round for it
 
     def _wait_for_client(self, conn: Connection, listener: Listener, deadline: float) -> None:
-        """The main thread watches ``conn`` until its client sends (then a thread serves it)
-        or ``deadline`` passes (then it is closed)."""
+        """The main thread watches ``conn`` until its client's request is ready (then a thread
+        serves it) or ``deadline`` passes (then it is closed, or refused if it began)."""
         self.idle[conn.fd] = (conn, listener, deadline)
         self.poller.register(conn.fd, POLLIN)
+
+    def _gather(self, fd: int) -> None:
+        """The client of a watched connection sent something: read it, and hand the
+        connection to a thread once its request is ready (until then, see gathered_until)."""
+        conn, listener, deadline = self.idle[fd]
+        try:
+            ready = conn.gather(BODY_BUFFER)
+        except ProxyProtocolError as exc:
+            self._proxy_refused(str(exc))
+            del self.idle[fd]
+            self.poller.unregister(fd)
+            self._release(conn)  # not HTTP: no answer a balancer would read
+            return
+        if ready:
+            del self.idle[fd]
+            self.poller.unregister(fd)
+            self.work.put((conn, listener))
+        else:
+            self.idle[fd] = (conn, listener, self.gathered_until(conn, deadline))
 
     def _stop_listening(self, state: WorkerState) -> None:
         """Stopping or pausing: clients already queued are served (or, past the deadline,
@@ -189,12 +210,17 @@ class ThreadWorker(Pipeline):
             for fd in list(self.idle):
                 conn = self.idle.pop(fd)[0]
                 self.poller.unregister(fd)
+                if conn.received:
+                    self.refuse(conn, 503, "Service Unavailable")  # it began: never unanswered
                 self._release(conn)
 
     def stop_deadline(self, conn: Connection, deadline: float) -> float:
         """A stopping worker's limit on waiting for a connection's next request: the close
         grace for an idle keep-alive one (a request may be on its way), a short grace for
-        one just accepted and silent."""
+        one just accepted and silent. A request partly here keeps its own bound: it is
+        served, as one a thread were reading would be."""
+        if conn.received:
+            return deadline
         return min(deadline, stop_grace_end(conn, self.stop_began()))
 
     def _take_back(self) -> None:
@@ -218,7 +244,12 @@ class ThreadWorker(Pipeline):
             if now >= deadline:
                 del self.idle[fd]
                 self.poller.unregister(fd)
-                if self.state is WorkerState.STOPPING and conn.readable_now():
+                if conn.received:
+                    # A head (or small body) that did not come in time: answered here, it
+                    # never reaches the app (nor a thread).
+                    self.refuse(conn, 408, "Request Timeout")
+                    self._release(conn)
+                elif self.state is WorkerState.STOPPING and conn.readable_now():
                     # Its request came just as the grace ended: answer it, never reset it.
                     self.work.put((conn, listener))
                 else:

@@ -418,8 +418,11 @@ def _start_cancellable(s: Scenario, gates: Any, how: str) -> socket.socket:
     if how == "read":
         target = s.target("/cancel", out=s.out, how=how)
         sock = s.track(socket.create_connection(("127.0.0.1", s.port), timeout=10))
-        # A body is announced and never sent: the app blocks reading it.
-        sock.sendall(f"POST {target} HTTP/1.1\r\nHost: test\r\nContent-Length: 10\r\n\r\n".encode())
+        # A body is announced and only its first 70,000 bytes sent: the app blocks reading the
+        # rest. (More than the 64 KiB a worker gathers before it commits to a request: with
+        # less, the request would wait for its body outside the app, and get its 503 there.)
+        sock.sendall(f"POST {target} HTTP/1.1\r\nHost: test\r\nContent-Length: 100000\r\n\r\n".encode()
+                     + b"x" * 70000)
     else:
         gate = gates()
         # No Connection: close from the client: the 503 must bring it.

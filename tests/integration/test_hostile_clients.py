@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import resource
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -129,7 +130,7 @@ def test_workers_leave_within_a_second_of_the_arbiters_death_stuck_sending(
 
 # -- descriptors exhausted ------------------------------------------------------------------
 
-@pytest.mark.parametrize("worker_class", ["thread", "gevent"])
+@pytest.mark.parametrize("worker_class", WORKER_CLASSES)
 def test_out_of_descriptors_the_accept_loop_backs_off_and_recovers(
         server_factory: Any, worker_class: str, held: list[socket.socket]) -> None:
     """Each worker limited to 64 descriptors while 200 clients connect and stay silent: the
@@ -140,12 +141,15 @@ def test_out_of_descriptors_the_accept_loop_backs_off_and_recovers(
     port = server.port
     workers = sorted(worker_set(server, 2))
     # A kept-alive connection each worker already holds, served before and during the flood.
-    regulars = []
-    for _ in range(20):
+    regulars: list[tuple[socket.socket, int]] = []
+    for _ in range(50):
         sock = send_get(port, "/pid", close=False)
-        held.append(sock)
         response = read_response(sock)
         assert response.status == 200
+        if response.headers.get("connection") == "close":  # (a sync worker keeps one alive)
+            sock.close()
+            continue
+        held.append(sock)
         regulars.append((sock, int(response.body)))
         if {pid for _, pid in regulars} == set(workers):
             break
@@ -170,3 +174,85 @@ def test_out_of_descriptors_the_accept_loop_backs_off_and_recovers(
         sock.close()
     del held[len(regulars):]
     assert get(port, "/", timeout=5.0).status == 200
+
+
+# -- slow and silent clients ----------------------------------------------------------------
+
+class Attackers(threading.Thread):
+    """``count`` connections that send ``opening`` and then one more byte each ``every``
+    seconds (slowloris), or nothing at all (``every`` None): a server that gives each of them
+    a thread or a worker has nothing left for anyone else."""
+
+    def __init__(self, port: int, count: int, opening: bytes, every: float | None) -> None:
+        super().__init__(daemon=True)
+        self.socks = []
+        for _ in range(count):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.setblocking(False)
+            if opening:
+                sock.send(opening)
+            self.socks.append(sock)
+        self.every = every
+        self.stopped = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while self.every is not None and not self.stopped.wait(self.every):
+            for sock in self.socks:
+                try:
+                    sock.send(b"a")
+                except OSError:
+                    continue  # closed by the server (its timeout): it stays closed
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.join(10)
+        for sock in self.socks:
+            sock.close()
+
+
+@pytest.fixture
+def attackers() -> Iterator[Any]:
+    made: list[Attackers] = []
+
+    def make(*args: Any) -> Attackers:
+        attack = Attackers(*args)
+        made.append(attack)
+        return attack
+
+    yield make
+    for attack in made:
+        attack.close()
+
+
+def legitimate_latencies(port: int, seconds: float, every: float = 0.1) -> list[float]:
+    """A request each ``every`` seconds for ``seconds``, on a new connection each: how long
+    each took to be answered (a failure fails the test)."""
+    latencies = []
+    pace = threading.Event()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        began = time.monotonic()
+        response = get(port, "/", timeout=10.0)
+        assert response.status == 200
+        latencies.append(time.monotonic() - began)
+        pace.wait(every)  # the pace of the load, not a synchronisation
+    return latencies
+
+
+SLOW_HEAD = b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: "
+SLOW_BODY = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n"
+
+
+@pytest.mark.parametrize("worker_class", WORKER_CLASSES)
+@pytest.mark.parametrize("opening, every", [(SLOW_HEAD, 0.5), (SLOW_BODY, 0.5), (b"", None)],
+                         ids=["slowloris-head", "slow-body", "silent"])
+def test_slow_and_silent_clients_do_not_hold_up_anyone(
+        server_factory: Any, attackers: Any, worker_class: str, opening: bytes,
+        every: float | None) -> None:
+    """200 connections that send a request head (or body) a byte at a time, or nothing: the
+    legitimate requests made meanwhile are each answered within a second."""
+    server = start(server_factory, worker_class)
+    attackers(server.port, 200, opening, every)
+    latencies = legitimate_latencies(server.port, 3.0)
+    assert max(latencies) < 1.0, f"slowest of {len(latencies)}: {max(latencies):.2f}s"
