@@ -27,6 +27,7 @@ class Transport(Protocol):
     continue_sent: bool
 
     def send(self, data: bytes) -> None: ...
+    def send_last(self, data: bytes) -> None: ...
     def sendfile(self, fileno: int, offset: int, count: int) -> int: ...
     def read_body(self) -> bytes: ...
     def should_close(self) -> bool: ...
@@ -389,7 +390,8 @@ class Exchange:
             self.finish()
             return
         self.finished = True
-        self.transport.send(self._respond(len(body), body, whole=True))
+        # The whole response: a slow reader's rest may be left to the worker (send_last).
+        self.transport.send_last(self._respond(len(body), body, whole=True))
 
     def send_file(self, wrapper: FileWrapper) -> bool:
         """Serve a FileWrapper with sendfile; False when it must be iterated instead."""

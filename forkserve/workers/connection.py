@@ -57,13 +57,15 @@ class Connection:
                  "continue_sent", "_poll", "should_close", "released", "interrupt_fd",
                  "interrupted", "served", "cutoff", "owner", "waiting", "idle_since",
                  "output_ended", "trusted", "peer", "_proxy", "_ssl", "_handshaking",
-                 "_blocked_read", "_blocked_write", "_broken", "head_began", "_refusal")
+                 "_blocked_read", "_blocked_write", "_broken", "head_began", "_refusal",
+                 "defer_writes", "unsent")
 
     def __init__(self, sock: socket.socket, remote: tuple[str, str], limits: Limits,
                  io_timeout: float, should_close: Callable[[], bool] | None = None,
                  interrupt_fd: int = -1,
                  interrupted: Callable[[Connection], bool] | None = None,
-                 trusted: bool = False, proxy_protocol: bool = False, tls: bool = False) -> None:
+                 trusted: bool = False, proxy_protocol: bool = False, tls: bool = False,
+                 defer_writes: bool = False) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.fd = sock.fileno()
@@ -89,6 +91,10 @@ class Connection:
         self.output_ended = False  # end_output() was called: nothing more can be sent
         self.head_began = 0.0  # monotonic time the current head's first byte came (0: none yet)
         self._refusal: HTTPError | None = None  # what gather() found bad, for read_head to raise
+        # The worker writes out what a slow reader has not taken of a whole response (see
+        # send_last): plain sockets only (a TLS write must be retried by the same caller).
+        self.defer_writes = defer_writes and not tls
+        self.unsent: memoryview | None = None
         self.trusted = trusted  # the peer is a trusted proxy (see forkserve.proxy)
         self.peer: tuple[str, str] | None = None  # the balancer's address, once a PROXY header named the client
         # --proxy-protocol: what arrived so far while the first bytes may be a PROXY header
@@ -433,6 +439,40 @@ class Connection:
             except self._broken as exc:
                 raise ClientGone(str(exc)) from None
             view = view[sent:]
+
+    def send_last(self, data: bytes) -> None:
+        """A whole response, nothing to follow it. Where the worker writes out the rest
+        itself (``defer_writes``: the thread worker's poll loop), what the client does not
+        take at once is left in ``unsent``: a client that reads slowly, or not at all, holds
+        a poll entry instead of a request thread."""
+        if not self.defer_writes:
+            self.send(data)
+            return
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
+            raise ClientGone(str(exc)) from None
+        if sent < len(data):
+            self.unsent = memoryview(data)[sent:]
+
+    def write_unsent(self) -> bool:
+        """Send what the client takes of ``unsent`` without waiting; True once all is sent.
+        Raises ClientGone."""
+        view = self.unsent
+        while view:
+            try:
+                sent = self.sock.send(view)
+            except BlockingIOError:
+                self.unsent = view
+                return False
+            except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
+                self.unsent = None
+                raise ClientGone(str(exc)) from None
+            view = view[sent:]
+        self.unsent = None
+        return True
 
     def sendfile(self, fileno: int, offset: int, count: int) -> int:
         if self._ssl is not None:

@@ -80,6 +80,9 @@ class Pipeline(Worker):
     # A cancel reaches a request in the application by killing its greenlet (gevent), so a
     # wait inside a request leaves the cancel to that kill.
     kills_requests = False
+    # The worker's own loop writes out a whole response a slow reader has not taken yet
+    # (thread worker: so that the request thread is free at once; see Connection.send_last).
+    defers_writes = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -154,7 +157,7 @@ class Pipeline(Worker):
         return Connection(sock, remote_of(addr), self.settings.limits,
                           self.settings.header_timeout, self.should_close, interrupt_fd,
                           self.interrupted, self.proxies.trusts_peer(addr),
-                          self.settings.proxy_protocol, tls is not None)
+                          self.settings.proxy_protocol, tls is not None, self.defers_writes)
 
     def interrupted(self, conn: Connection) -> bool:
         """-- may run in a pool thread. A wait on ``conn``'s client saw its interrupt fd
@@ -394,7 +397,8 @@ class Pipeline(Worker):
                 # end leaves nothing (lingering would hold the connection, and so the
                 # drain, until the client closes: up to 1 s).
                 return Ending.LINGER if conn.has_unread() else Ending.CLOSE
-            if not conn.events:
+            if not conn.events or conn.unsent is not None:
+                # (Unsent output first: the worker's loop writes it, then serves what is next.)
                 return Ending.IDLE  # else a pipelined request is already here
 
     def _proxy_refused(self, why: str) -> None:

@@ -5,9 +5,11 @@ main thread changes a connection's place: it accepts, it watches idle keep-alive
 (they wait in the poller, never in a thread), it reads what their clients send without
 waiting until a request is ready (its whole head, and its body or the first 64 KiB of it), and
 then hands the connection to a pool thread, which serves the requests that are there and
-hands it back (or closes it). So N threads serve N requests at once while any number of idle,
-silent or slow clients (slowloris: a header byte every few seconds) cost a poll entry and
-their bytes so far, never a thread.
+hands it back (or closes it). A whole response (the app returned one bytes object) that the
+client does not take at once is handed back too, and the poll loop writes out the rest. So N
+threads serve N requests at once while any number of idle, silent or slow clients (slowloris:
+a header byte every few seconds; a client that stopped reading its response) cost a poll
+entry and their bytes, never a thread.
 
 Cancellation at the drain deadline raises ``RequestCancelled`` asynchronously in each request's
 thread (``PyThreadState_SetAsyncExc``). Honestly: an asynchronous exception is only seen when
@@ -41,12 +43,14 @@ from forkserve.workers.pipeline import BODY_BUFFER, Ending, Pipeline, stop_grace
 from forkserve.wsgi import ClientGone
 
 POLLIN = select.POLLIN
+POLLOUT = select.POLLOUT
 RUNNING = WorkerState.RUNNING
 
 
 class ThreadWorker(Pipeline):
     multithread = True
     stop_pipes = True  # waits in pool threads watch the stop pipe, written once at the stop
+    defers_writes = True  # the poll loop writes out what a slow reader has not taken
 
     def should_close(self) -> bool:
         """-- runs in a pool thread. A stop signal may have been taken by this very thread's C
@@ -70,7 +74,7 @@ class ThreadWorker(Pipeline):
         # --max-connections); beyond that, clients wait in the listen backlog.
         self.limit = self.settings.max_connections or 1000
         self.work: queue.SimpleQueue[tuple[Connection, Listener] | None] = queue.SimpleQueue()
-        self.back: queue.SimpleQueue[tuple[Connection, Listener]] = queue.SimpleQueue()
+        self.back: queue.SimpleQueue[tuple[Connection, Listener, Ending]] = queue.SimpleQueue()
         self.back_r, self.back_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.signal_polls = threading.local()
         self.pool_threads = [threading.Thread(target=self._run, name=f"forkserve-request-{i}",
@@ -78,6 +82,8 @@ class ThreadWorker(Pipeline):
         for thread in self.pool_threads:
             thread.start()
         self.idle: dict[int, tuple[Connection, Listener, float]] = {}  # fd -> conn, deadline
+        # fd -> a connection whose response the loop writes out, how it ends then, deadline
+        self.flushing: dict[int, tuple[Connection, Listener, Ending, float]] = {}
         self.poller = select.poll()
         self.listener_fds = {listener.fd: listener for listener in self.listeners}
         for fd in (self.wakeup_r, self.alive_fd, self.back_r):
@@ -127,6 +133,8 @@ class ThreadWorker(Pipeline):
             timeout = self.heartbeat_interval
             if self.idle:
                 timeout = min(timeout, max(min(d for _, _, d in self.idle.values()) - now, 0))
+            if self.flushing:
+                timeout = min(timeout, max(min(f[3] for f in self.flushing.values()) - now, 0))
             if pause:
                 timeout = min(timeout, pause)
             for fd, _ in self.poller.poll(timeout * 1000.0 + 1):
@@ -138,9 +146,13 @@ class ThreadWorker(Pipeline):
                     self._take_back()
                 elif fd in self.idle:
                     self._gather(fd)
+                elif fd in self.flushing:
+                    self._write_out(fd)
                 elif fd in self.listener_fds:
                     self._accept_into_pool(self.listener_fds[fd])
             self._expire_idle(time.monotonic())
+            if self.flushing:
+                self._expire_flushing(time.monotonic())
 
     def _accept_into_pool(self, listener: Listener) -> None:
         while self.counters.active_connections < self.limit:
@@ -207,6 +219,10 @@ class ThreadWorker(Pipeline):
             for fd, (conn, listener, deadline) in list(self.idle.items()):
                 self.idle[fd] = (conn, listener, self.stop_deadline(conn, deadline))
         if state is WorkerState.CANCELLED:
+            for fd in list(self.flushing):  # responses still going out are cut at the deadline
+                conn = self.flushing.pop(fd)[0]
+                self.poller.unregister(fd)
+                self._release(conn)
             for fd in list(self.idle):
                 conn = self.idle.pop(fd)[0]
                 self.poller.unregister(fd)
@@ -227,17 +243,55 @@ class ThreadWorker(Pipeline):
         drain_pipe(self.back_r)
         while True:
             try:
-                conn, listener = self.back.get_nowait()
+                conn, listener, ending = self.back.get_nowait()
             except queue.Empty:
                 return
             if self.state is WorkerState.CANCELLED or self.state is WorkerState.HALTING:
                 self._release(conn)
-                continue
+            elif conn.unsent is not None:
+                self.flushing[conn.fd] = (conn, listener, ending,
+                                          time.monotonic() + self.settings.header_timeout)
+                self.poller.register(conn.fd, POLLOUT)
+            else:
+                self._after_response(conn, listener, ending)
+
+    def _after_response(self, conn: Connection, listener: Listener, ending: Ending) -> None:
+        """A connection's response is all out: it ends, a pipelined request is served, or
+        the loop watches it for the client's next request."""
+        if ending is not Ending.IDLE:
+            self._release(conn, linger=ending is Ending.LINGER)
+        elif conn.events:
+            self.work.put((conn, listener))  # pipelined behind the response just written
+        else:
             deadline = conn.idle_since + self.settings.keepalive
             if self.state is not RUNNING:
                 # Its last response promised keep-alive before the stop: the close grace.
                 deadline = self.stop_deadline(conn, deadline)
             self._wait_for_client(conn, listener, deadline)
+
+    def _write_out(self, fd: int) -> None:
+        """A slow reader took more: send what it takes; bounded by --header-timeout between
+        its reads, as a thread's send would be."""
+        conn, listener, ending, _ = self.flushing[fd]
+        try:
+            done = conn.write_unsent()
+        except ClientGone:
+            done, ending = True, Ending.CLOSE
+        if not done:
+            self.flushing[fd] = (conn, listener, ending,
+                                 time.monotonic() + self.settings.header_timeout)
+            return
+        del self.flushing[fd]
+        self.poller.unregister(fd)
+        self._after_response(conn, listener, ending)
+
+    def _expire_flushing(self, now: float) -> None:
+        """Clients that stopped reading their response: the connection is closed."""
+        for fd, (conn, _, _, deadline) in list(self.flushing.items()):
+            if now >= deadline:
+                del self.flushing[fd]
+                self.poller.unregister(fd)
+                self._release(conn)
 
     def _expire_idle(self, now: float) -> None:
         for fd, (conn, listener, deadline) in list(self.idle.items()):
@@ -292,9 +346,10 @@ class ThreadWorker(Pipeline):
             self.log.exception("Connection failed", exc, worker=self.worker_id)
             ending = Ending.CLOSE
         conn.owner = None
-        if ending is Ending.IDLE:
-            # Back to the main thread, which watches it (and applies a stop's grace).
-            self.back.put((conn, listener))
+        if ending is Ending.IDLE or conn.unsent is not None:
+            # Back to the main thread, which writes out what the client has not taken yet,
+            # and watches it (applying a stop's grace), or ends it.
+            self.back.put((conn, listener, ending))
             self._wake_main()
         else:
             self._release(conn, linger=ending is Ending.LINGER)

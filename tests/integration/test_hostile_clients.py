@@ -13,7 +13,6 @@ import resource
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -256,3 +255,76 @@ def test_slow_and_silent_clients_do_not_hold_up_anyone(
     attackers(server.port, 200, opening, every)
     latencies = legitimate_latencies(server.port, 3.0)
     assert max(latencies) < 1.0, f"slowest of {len(latencies)}: {max(latencies):.2f}s"
+
+
+class NonReaders:
+    """``count`` clients that ask for a big response and never read it."""
+
+    def __init__(self, port: int, count: int, size: int) -> None:
+        self.socks = []
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(f"GET /big?size={size} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            self.socks.append(sock)
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close()
+
+
+@pytest.mark.parametrize("worker_class", ["thread", "gevent"])
+def test_clients_that_stop_reading_do_not_hold_up_anyone(server_factory: Any,
+                                                         worker_class: str) -> None:
+    """10 clients ask for a 16 MB response each and read none of it (more than 2 workers
+    times 4 threads): the legitimate requests made meanwhile are each answered within a
+    second. (A sync worker is held by such a client until --header-timeout: by design; the
+    README says what belongs in front of it.)"""
+    server = start(server_factory, worker_class)
+    readers = NonReaders(server.port, 10, 16_000_000)
+    try:
+        latencies = legitimate_latencies(server.port, 3.0)
+    finally:
+        readers.close()
+    assert max(latencies) < 1.0, f"slowest of {len(latencies)}: {max(latencies):.2f}s"
+
+
+@pytest.mark.parametrize("worker_class", ["thread"])
+def test_a_response_left_to_the_loop_reaches_a_slow_reader_whole(server_factory: Any,
+                                                                 worker_class: str) -> None:
+    """The rest of a whole response that a thread left to the poll loop arrives complete and
+    in order, and the connection serves the next (pipelined) request after it."""
+    server = start(server_factory, worker_class)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", server.port))
+    with sock:
+        sock.sendall(b"GET /big?size=8000000 HTTP/1.1\r\nHost: x\r\n\r\n"
+                     b"GET /pid HTTP/1.1\r\nHost: x\r\n\r\n")
+        # Slow at first (the thread has long moved on), then as fast as it comes.
+        first = sock.recv(1000)
+        pace = threading.Event()
+        pace.wait(0.5)
+        rest = read_response_after(sock, first)
+        assert rest[0].status == 200 and rest[0].body == b"x" * 8_000_000
+        assert rest[1].status == 200 and int(rest[1].body) in server.workers()
+
+
+def read_response_after(sock: socket.socket, data: bytes) -> list[Any]:
+    """The two responses on ``sock``, ``data`` being what was already read of them."""
+    from tests.harness import Response, parse_head
+    sock.settimeout(10)
+    responses = []
+    while len(responses) < 2:
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(65536)
+        status, headers, data = parse_head(data)
+        size = int(headers["content-length"])
+        while len(data) < size:
+            chunk = sock.recv(1 << 20)
+            assert chunk, "closed before the end of the body"
+            data += chunk
+        responses.append(Response(status, headers, data[:size]))
+        data = data[size:]
+    return responses

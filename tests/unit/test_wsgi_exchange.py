@@ -25,6 +25,8 @@ class FakeTransport:
     def send(self, data: bytes) -> None:
         self.sent.append(data)
 
+    send_last = send  # (a worker may write the rest of a whole response itself)
+
     def sendfile(self, fileno: int, offset: int, count: int) -> int:
         self.files.append((fileno, offset, count))
         return count
