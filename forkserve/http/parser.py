@@ -14,12 +14,32 @@ the machine this was measured on, and ``bytes`` is already a type of its own in 
 
 llhttp already refuses the classic smuggling vectors (Transfer-Encoding with Content-Length,
 duplicate Content-Length, bare LF, obs-fold, invalid tokens); on top of it we enforce the
-size limits, a single Host on HTTP/1.1 (RFC 9112 §3.2), the HTTP version (505), and that the
-only transfer coding is ``chunked`` (RFC 9112 §6.1: 501 for codings we do not implement).
+size limits (see :class:`Limits`), a single and well-formed Host (RFC 9112 §3.2, RFC 9110
+§7.2), the HTTP version (505), that the only transfer coding is ``chunked`` (RFC 9112 §6.1:
+501 for codings we do not implement) and never on HTTP/1.0 (RFC 9112 §6.1: faulty framing,
+400), that asterisk-form is only for OPTIONS (RFC 9112 §3.2.4), no duplicate Content-Type,
+and that no trailer field is one a trailer must not carry (RFC 9110 §6.5.1).
+
+What llhttp does not do for us, and where it matters:
+
+* It hands each field to httptools in spans, one per ``feed_data`` call, and httptools joins
+  the spans of one field with ``bytes +=`` before calling ``on_header``: a field sent in many
+  small reads costs quadratic time until it ends. A field that never ends (a 64 MiB trailer)
+  once cost 30 s of CPU and 100 MiB. We cannot change httptools' join, so we make sure it
+  never runs long: ``feed`` measures the unfinished line after every read and refuses it
+  once it passes :attr:`Limits.line`, so no span chain outgrows one line plus one read.
+* It keeps no count of chunk-size lines, chunk extensions or trailer fields: the same line
+  measure bounds the first two (RFC 9112 §7.1.1: "a server ought to limit the total length
+  of chunk extensions"), and ``on_header`` counts trailer fields against the request's field
+  limits as it counts the head's.
+* It accepts runs of spaces between the parts of the request line, and has no option to
+  refuse them; ``on_url`` limits the canonical line (one SP each side) exactly, the line
+  measure limits any other.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections import deque
 from dataclasses import dataclass
@@ -30,6 +50,32 @@ import httptools
 from forkserve.http.errors import HTTPError
 
 _TOKEN_START = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+( |\Z)")
+_PROBE = 64  # bytes of a request's start kept to tell a method token from garbage
+
+# Host = uri-host [ ":" port ] (RFC 9110 §7.2), uri-host being RFC 3986 §3.2.2's host:
+# IP-literal ("[" IPv6address or IPvFuture "]"), IPv4address or reg-name. An IPv4address is
+# also a reg-name, so the reg-name branch covers both; an empty Host is allowed (RFC 9112
+# §3.2: a target with no authority). The IPv6 literal's form is checked by ipaddress.
+# The reg-name branch is written as runs of plain characters between percent-encodings, not
+# as an alternation per character: this is on every request's path (0.5 µs a Host, not 1.4).
+_HOST = re.compile(rb"""
+    (?: [A-Za-z0-9\-._~!$&'()*+,;=]* (?: %[0-9A-Fa-f]{2} [A-Za-z0-9\-._~!$&'()*+,;=]* )*
+      | \[ (?P<ipv6> [0-9A-Fa-f:.]+ ) \]
+      | \[ v[0-9A-Fa-f]+ \. [A-Za-z0-9\-._~!$&'()*+,;=:]+ \]
+    ) (?: : [0-9]* )?""", re.VERBOSE)
+
+# Fields a trailer section must not carry (RFC 9110 §6.5.1, as RFC 7230 §4.1.2 listed them):
+# message framing, routing, request modifiers (controls and conditionals), authentication,
+# content format, and the connection's own fields. A trailer arrives after the app has
+# begun; a proxy that merges trailers into the head would give these a meaning they cannot
+# have here, so the request is refused rather than the field dropped.
+_FORBIDDEN_TRAILERS: Final = frozenset({
+    b"transfer-encoding", b"content-length", b"host", b"trailer", b"te", b"connection",
+    b"keep-alive", b"upgrade", b"expect", b"max-forwards", b"cache-control", b"pragma",
+    b"range", b"if-match", b"if-none-match", b"if-modified-since", b"if-unmodified-since",
+    b"if-range", b"authorization", b"proxy-authorization", b"content-encoding",
+    b"content-type", b"content-range",
+})
 
 
 
@@ -49,15 +95,36 @@ END: Final = EndOfMessage()
 
 @dataclass(frozen=True)
 class Limits:
+    """What one request may hold. Every part of a request a client can make grow is bounded
+    by one of these, as it grows:
+
+    * ``request_line``: the request line, method SP target SP version, without its CRLF
+      (414), the way gunicorn measures ``limit_request_line``;
+    * ``fields``: the header fields and trailer fields of one request together (431);
+    * ``field_size``: one field's name and value (431), in the head or in the trailers;
+    * ``body``: the body, de-chunked (413); 0: no limit;
+    * :attr:`line`: any unfinished line (431; 400 for a chunk-size line);
+    * :attr:`head`: the whole head (431).
+    """
+
     request_line: int = 8190
     fields: int = 100
     field_size: int = 8190
     body: int = 0  # 0: no limit
 
     @property
+    def line(self) -> int:
+        # Any line as it arrives (the request line, a field line, a chunk-size line with its
+        # extensions, a trailer line), counted raw: its CR, and the ": " of a field, are room
+        # in the 4. Lines are held to the exact limits above once complete; this is the
+        # bound while they grow, so a line that never ends is cut after at most one read.
+        return max(self.request_line, self.field_size) + 4
+
+    @property
     def head(self) -> int:
-        # The most a complete head may take: the target plus room for the method and
-        # version, the fields with ": " and CRLFs, the final CRLF.
+        # The most a complete head may take: the request line with its CRLF and some room
+        # (llhttp accepts runs of spaces in it), each field with ": " and CRLF, the final
+        # CRLF. With the defaults: 827,624 bytes.
         return self.request_line + 32 + self.fields * (self.field_size + 4) + 2
 
 
@@ -82,7 +149,10 @@ class Request:
         if target[:1] == b"/":
             path, _, query = target.partition(b"?")
         elif target == b"*":
-            path, query = b"*", b""
+            # asterisk-form (RFC 9112 §3.2.4), OPTIONS only: the server as a whole, no path.
+            # PEP 3333 allows an empty PATH_INFO, not "*" (wsgiref's validator refuses it);
+            # the application tells it from a request for its root by RAW_URI "*".
+            path, query = b"", b""
         else:
             # absolute-form (RFC 9112 §3.2.2): take path and query, the authority is Host's.
             try:
@@ -116,14 +186,29 @@ class RequestParser:
         # call, not a Python frame: the workers ask once or twice a request.
         self.pending: Callable[[], int] = self._events.__len__
         self._parser = httptools.HttpRequestParser(self)
+        # RFC 9112 §7.1.1: chunk-ext = *( BWS ";" BWS chunk-ext-name [ BWS "=" BWS ... ] ).
+        # llhttp refuses the BWS before ";" unless told otherwise (it then also takes spaces
+        # before the CRLF, "1 \r\n", as Squid, nginx and httpd do). Every reading of such a
+        # line gives the same size, so this opens no framing disagreement; fasthttp#2193
+        # chose to refuse "3 ;ext" instead. llhttp has no option for the BWS after ";" or
+        # around "=": those stay 400. No other leniency is safe: lenient_transfer_encoding,
+        # say, takes "chunked " (trailing OWS) as not chunked and reads the body to EOF.
+        self._parser.set_dangerous_leniencies(lenient_spaces_after_chunk_size=True)
         self._in_head = False
         self._head_bytes = 0
-        self._url = b""
+        # The target, as llhttp hands it over in spans (one per read it spans): joined once,
+        # at the end of the head, so a target sent a byte at a time costs linear time.
+        self._url_parts: list[bytes] = []
+        self._url_len = 0
+        self._url_room = 0  # how long the target may be, given the method (see on_url)
         self._headers: list[tuple[bytes, bytes]] = []
         self._field_bytes = 0
+        self._trailers = 0
         self._content_length: int | None = None
         self._te: bytes | None = None
         self._hosts = 0
+        self._host = b""
+        self._content_types = 0
         self._expect = False
         self._body_bytes = 0
         self._upgraded = False
@@ -131,6 +216,12 @@ class RequestParser:
         self._in_body = False
         self._began_here = False
         self._probe = b""
+        # The unfinished line (see feed): its length in bytes so far, whether the last thing
+        # llhttp reported in this read was body data (then where lines start in the read is
+        # not known), and whether a chunk-size line was the last line (trailers follow it).
+        self._line = 0
+        self._body_last = False
+        self._after_chunk_size = False
 
     # -- output ------------------------------------------------------------------------
     def next_event(self) -> Event | None:
@@ -199,8 +290,9 @@ class RequestParser:
         if idle:
             self._probe = data  # the start of the next request: kept to tell 400 from 501
             self._began_here = False
-        elif self._in_head and not self._url:
-            self._probe += data
+        elif self._in_head and not self._url_len and len(self._probe) < _PROBE:
+            self._probe += data[:_PROBE]
+        self._body_last = False
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -222,18 +314,43 @@ class RequestParser:
             raise HTTPError(400, "Bad request target") from None
         except httptools.HttpParserError as exc:
             raise HTTPError(400, _reason(exc)) from None
+        self._measure_line(data)
         if self._in_head:
             if self._began_here:
                 # The head began inside this feed: count what it holds so far, not the bytes
                 # of an earlier pipelined request. The unfinished field is counted from the
                 # next feed on, so an endless field is cut at most one read past the limit.
                 self._began_here = False
-                self._head_bytes = len(self._url) + self._field_bytes
+                self._head_bytes = self._url_len + self._field_bytes
             else:
                 self._head_bytes += len(data)
             if self._head_bytes > self.limits.head:
                 # A long target is caught in on_url (414); what overflows here are fields.
                 raise HTTPError(431, "Request header fields too large")
+
+    def _measure_line(self, data: bytes) -> None:
+        """Bound the line llhttp is in the middle of, after each read, without parsing.
+
+        In a head, a chunk-size line or a trailer section, every LF ends a line (llhttp
+        refuses a bare LF, and obs-fold), so what follows the read's last LF is the start of
+        the unfinished line; with no LF, the read continues the line of the read before.
+        Body data can hold any byte, so when body data was the last thing in the read, the
+        line measure starts over: the next line begins in a later read (after the data, or
+        after the next request's first read, which the head limit counts). The measure is
+        an upper bound: llhttp keeps nothing of an OWS run it skips, but it counts."""
+        if self._body_last:
+            self._line = 0
+            return
+        end = data.rfind(b"\n")
+        line = self._line + len(data) if end < 0 else len(data) - end - 1
+        self._line = line
+        if line > self.limits.line:
+            self._line = 0
+            if self._in_head or not self._in_body:
+                raise HTTPError(431, "Request header line too long")
+            if self._after_chunk_size:
+                raise HTTPError(431, "Request trailer line too long")
+            raise HTTPError(400, "Chunk size line too long")
 
     def _on_upgrade(self, data: bytes, offset: int) -> None:
         """llhttp stops at an Upgrade (or CONNECT) head and skips its body. We do not switch
@@ -271,29 +388,51 @@ class RequestParser:
         self._in_head = True
         self._began_here = True
         self._head_bytes = 0
-        self._url = b""
+        self._url_parts = []
+        self._url_len = 0
+        self._url_room = 0
         self._headers = []
         self._field_bytes = 0
+        self._trailers = 0
         self._content_length = None
         self._te = None
         self._hosts = 0
+        self._host = b""
+        self._content_types = 0
         self._expect = False
         self._body_bytes = 0
+        self._after_chunk_size = False
 
     def on_url(self, url: bytes) -> None:
-        self._url += url
-        if len(self._url) > self.limits.request_line:
+        if not self._url_parts:
+            # limit_request_line limits the whole line: method SP target SP HTTP/x.y (the
+            # version is always 8 bytes: llhttp takes no other form). The method is known
+            # once the target begins.
+            self._url_room = self.limits.request_line - len(self._parser.get_method()) - 10
+        self._url_parts.append(url)
+        self._url_len += len(url)
+        if self._url_len > self._url_room:
             raise HTTPError(414, "Request line too long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if not self._in_head:
-            return  # a chunked trailer field: not passed on to WSGI
-        headers = self._headers
+        self._body_last = False
         value = value.rstrip(b" \t")  # llhttp strips leading OWS only (RFC 9110 §5.5)
-        if len(headers) >= self.limits.fields:
-            raise HTTPError(431, "Too many request header fields")
-        if len(name) + len(value) > self.limits.field_size:
+        limits = self.limits
+        if len(name) + len(value) > limits.field_size:
             raise HTTPError(431, "Request header field too large")
+        if not self._in_head:
+            # A chunked trailer field: not passed on to WSGI, but counted as the head's
+            # fields are (it costs the same to receive), and refused if it is one a trailer
+            # must not carry.
+            self._trailers += 1
+            if len(self._headers) + self._trailers > limits.fields:
+                raise HTTPError(431, "Too many request header and trailer fields")
+            if name.lower() in _FORBIDDEN_TRAILERS:
+                raise HTTPError(400, "A field that is not allowed in a trailer section")
+            return
+        headers = self._headers
+        if len(headers) >= limits.fields:
+            raise HTTPError(431, "Too many request header fields")
         headers.append((name, value))
         self._field_bytes += len(name) + len(value) + 4
         lname = name.lower()
@@ -303,20 +442,35 @@ class RequestParser:
             self._te = value if self._te is None else self._te + b"," + value
         elif lname == b"host":
             self._hosts += 1
+            self._host = value
+        elif lname == b"content-type":
+            self._content_types += 1
         elif lname == b"expect":
             self._expect = value.strip().lower() == b"100-continue"
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._in_body = True
+        self._body_last = False
         parser = self._parser
         version = parser.get_http_version()
         if version not in ("1.1", "1.0"):
             raise HTTPError(505, "HTTP version not supported")
         if self._hosts > 1 or (self._hosts == 0 and version == "1.1"):
             raise HTTPError(400, "A request needs exactly one Host header")
+        if self._hosts and not _valid_host(self._host):
+            raise HTTPError(400, "Invalid Host header")  # RFC 9110 §7.2, RFC 9112 §3.2
+        if self._content_types > 1:
+            # A singleton field (RFC 9110 §8.3): joined with a comma (RFC 9110 §5.3) it would
+            # be a media type no one sent, and which one counts would be the reader's guess.
+            raise HTTPError(400, "More than one Content-Type header")
         chunked = False
         if self._te is not None:
+            if version == "1.0":
+                # RFC 9112 §6.1: an HTTP/1.0 recipient of Transfer-Encoding "MUST treat the
+                # message as if the framing is faulty": a 1.0 intermediary may have passed on
+                # a coding it did not decode, so neither framing can be trusted.
+                raise HTTPError(400, "Transfer-Encoding in an HTTP/1.0 request")
             codings = [c.strip().lower() for c in self._te.split(b",") if c.strip()]
             if codings != [b"chunked"]:
                 raise HTTPError(501, "Transfer coding not implemented")
@@ -324,13 +478,18 @@ class RequestParser:
         limit = self.limits.body
         if limit and self._content_length is not None and self._content_length > limit:
             raise HTTPError(413, "Request body too large")
-        # RFC 9112 §6.1: an HTTP/1.0 message with Transfer-Encoding must close afterwards.
-        keep_alive = parser.should_keep_alive() and not (chunked and version == "1.0")
+        parts = self._url_parts
+        target = parts[0] if len(parts) == 1 else b"".join(parts)
+        method = parser.get_method().decode("ascii")
+        if target == b"*" and method != "OPTIONS":
+            raise HTTPError(400, "Asterisk-form is only for OPTIONS")  # RFC 9112 §3.2.4
         self._events.append(Request(
-            parser.get_method().decode("ascii"), self._url, version, self._headers,
-            keep_alive, self._content_length, chunked, self._expect and version == "1.1"))
+            method, target, version, self._headers, parser.should_keep_alive(),
+            self._content_length, chunked, self._expect and version == "1.1"))
 
     def on_body(self, body: bytes) -> None:
+        self._body_last = True
+        self._after_chunk_size = False
         limit = self.limits.body
         if limit:
             self._body_bytes += len(body)
@@ -338,9 +497,34 @@ class RequestParser:
                 raise HTTPError(413, "Request body too large")
         self._events.append(body)
 
+    def on_chunk_header(self) -> None:
+        # A chunk-size line ended. If the chunk has data, on_body follows; if it was the last
+        # chunk, the trailer section does.
+        self._body_last = False
+        self._after_chunk_size = True
+
+    def on_chunk_complete(self) -> None:
+        self._body_last = False
+        self._after_chunk_size = False
+
     def on_message_complete(self) -> None:
+        # _body_last is left as it is: a Content-Length body ends on its data, not on an LF.
         self._in_body = False
         self._events.append(END)
+
+
+def _valid_host(value: bytes) -> bool:
+    match = _HOST.fullmatch(value)
+    if match is None:
+        return False
+    literal = match.group("ipv6")
+    if literal is None:
+        return True
+    try:
+        ipaddress.IPv6Address(literal.decode("ascii"))
+    except ValueError:
+        return False
+    return True
 
 
 def _reason(exc: Exception) -> str:
