@@ -124,6 +124,11 @@ class WorkerHandle:
             return self.boot_error, ExitCode.APP_LOAD_ERROR
         if exited and os.WEXITSTATUS(status) == ExitCode.APP_LOAD_ERROR:
             return "the application could not be loaded", ExitCode.APP_LOAD_ERROR
+        if exited and os.WEXITSTATUS(status) == ExitCode.WORKER_BOOT_ERROR:
+            # The worker's own code for a crash of its set-up while booting (it logged the
+            # traceback): not the application's doing.
+            return "a worker crashed while booting (its traceback is logged above)", \
+                ExitCode.WORKER_BOOT_ERROR
         if exited and self.imports_app:
             # Gone with an exit code and no BOOT_ERROR record: a failed import sends one
             # (sys.exit() at import included, see forkserve.loader), so something ended the

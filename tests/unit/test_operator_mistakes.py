@@ -116,6 +116,11 @@ def test_a_worker_gone_while_importing_without_a_record_is_named() -> None:
     assert code == ExitCode.APP_LOAD_ERROR
 
 
+def test_the_workers_own_boot_crash_code_is_not_taken_for_an_os_exit() -> None:
+    reason, code = WorkerHandle(1, 1, pid=9).boot_failure(exited(ExitCode.WORKER_BOOT_ERROR))
+    assert reason.startswith("a worker crashed while booting") and code == ExitCode.WORKER_BOOT_ERROR
+
+
 def test_with_preload_an_early_exit_is_a_worker_boot_error() -> None:
     # The worker imports nothing: the app was loaded before forking.
     reason, code = WorkerHandle(1, 1, pid=9, imports_app=False).boot_failure(exited(7))
