@@ -57,9 +57,11 @@ def test_a_full_disk_serves_every_request_and_reports_at_a_bounded_rate(
     told = reports(server, what)
     assert 1 <= len(told) <= allowed_reports(elapsed), "\n".join(told)
     # Nothing else on stderr but the JSON records: no traceback, no line per failed write.
+    # (The reports are plain lines, or JSON records once the worker hands the sinks its
+    # error log.)
     plain = [line for line in server.lines if not line.startswith("{")]
-    assert plain == told, "\n".join(plain)
-    assert "lost_lines=" in told[0] and "No space left on device" in told[0]
+    assert set(plain) <= set(told), "\n".join(plain)
+    assert "lost_lines" in told[0] and "No space left on device" in told[0]
     assert set(server.workers()) == pids and server.count_log("crashed") == 0
     server.signal(signal.SIGTERM)
     assert server.wait_exit() == 0
@@ -83,7 +85,7 @@ def test_the_access_log_tells_its_recovery_after_usr1(server_factory: Any, tmp_p
         return reports(server, "is written again")
 
     told = wait_for(recovered, 10, lambda: f"the recovery line\n{server.log_text()}")
-    assert "line(s) were lost while it could not be" in told[0] and "lost_total=" in told[0]
+    assert "line(s) were lost while it could not be" in told[0] and "lost_total" in told[0]
     assert "GET /?kept" in access.read_text() and "lost" not in access.read_text()
     server.signal(signal.SIGTERM)
     assert server.wait_exit() == 0
