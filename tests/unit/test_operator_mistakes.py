@@ -10,6 +10,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import pytest
@@ -236,7 +237,7 @@ class Collect:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     now = [1000.0]
-    monkeypatch.setattr(losses.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(losses, "time", SimpleNamespace(monotonic=lambda: now[0]))
     return now
 
 
