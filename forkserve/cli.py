@@ -18,8 +18,8 @@ from forkserve import __version__
 from forkserve.config import ConfigError, parse_args, resolve, unknown_env
 from forkserve.counters import ExitCode
 from forkserve.handover import Handover, take
-from forkserve.loader import AppLoadError, load_app
-from forkserve.logs import Log
+from forkserve.loader import AppLoadError, load_app, os_exit_reported
+from forkserve.logs import Log, open_error, probe_append
 from forkserve.config import Config
 from forkserve.control import ControlError
 from forkserve.sockets import BindError
@@ -60,8 +60,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         log = Log(config.error_log, config.log_level, config.log_format)
     except OSError as exc:
-        _say(f"error: --error-log {config.error_log}: {exc.strerror}")
+        _say(f"error: --error-log {config.error_log}: {open_error(config.error_log, exc)}")
         return ExitCode.USAGE
+    # The workers open these after fork (before dropping privileges, so as the user we are
+    # now): one that cannot be opened is a configuration error to tell here, once, not a
+    # traceback from every worker and a boot failure.
+    for flag, path in (("--access-log", config.access_log), ("--span-log", config.span_log)):
+        if not path or (flag == "--access-log" and path == "-"):
+            continue
+        try:
+            probe_append(path, keep=not check)
+        except OSError as exc:
+            _say(f"error: {flag} {path}: {open_error(path, exc)}")
+            return ExitCode.USAGE
     for name in unknown_env(os.environ):
         log.warning("Unknown setting in the environment, ignored", variable=name)
     tls = None
@@ -75,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if check:
         try:
-            load_app(config.app)
+            with os_exit_reported(lambda text: log.error(f"Application could not be loaded: {text}")):
+                load_app(config.app)
         except AppLoadError as exc:
             log.error(f"Application could not be loaded: {exc}")
             return ExitCode.APP_LOAD_ERROR
@@ -119,7 +131,8 @@ def _serve(config: Config, cli: dict[str, Any], args: list[str], start_cwd: str,
     app = None
     if config.preload:
         try:
-            app = load_app(config.app)
+            with os_exit_reported(lambda text: log.error(f"Application could not be loaded: {text}")):
+                app = load_app(config.app)
         except AppLoadError as exc:
             log.error(f"Application could not be loaded: {exc}")
             return ExitCode.APP_LOAD_ERROR

@@ -51,30 +51,45 @@ class ControlServer:
         self.peers: dict[int, int] = {}  # client fd -> its process id (SO_PEERCRED)
         self.peer_pid = 0  # the process whose command the handler is answering now
         self.answers: dict[int, tuple[bytes, list[int]]] = {}  # fd -> what is left to send
+        try:
+            self.sock = self._bind()
+        except OSError as exc:
+            # A missing directory, no permission, a path too long for a unix socket: the
+            # operator's mistake, told in one line (the cli exits 1), never a traceback.
+            raise ControlError(f"cannot bind the control socket {path}: "
+                               f"{exc.strerror or exc}") from None
+        self.owner_pid = os.getpid()
+        reactor.add(self.sock.fileno(), select.POLLIN, self._on_listener)
+
+    def _bind(self) -> socket.socket:
         if os.path.exists(self.path):
             if not stat.S_ISSOCK(os.stat(self.path).st_mode):
-                raise ControlError(f"{self.path} exists and is not a socket")
+                raise ControlError(f"cannot bind the control socket {self.path}: the path "
+                                   "exists and is not a socket")
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 probe.connect(self.path)
             except OSError:
                 os.unlink(self.path)  # stale: nobody answers there
             else:
-                raise ControlError(f"another process answers on {self.path}")
+                raise ControlError(f"cannot bind the control socket {self.path}: another "
+                                   "process answers on it")
             finally:
                 probe.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)  # the socket is born 0600: no window where others connect
         try:
-            sock.bind(self.path)
-        finally:
-            os.umask(old_umask)
-        os.chmod(self.path, 0o600)
-        sock.listen(16)
+            old_umask = os.umask(0o177)  # the socket is born 0600: no window where others connect
+            try:
+                sock.bind(self.path)
+            finally:
+                os.umask(old_umask)
+            os.chmod(self.path, 0o600)
+            sock.listen(16)
+        except OSError:
+            sock.close()
+            raise
         sock.setblocking(False)
-        self.sock = sock
-        self.owner_pid = os.getpid()
-        reactor.add(sock.fileno(), select.POLLIN, self._on_listener)
+        return sock
 
     def fileno(self) -> int:
         return self.sock.fileno()

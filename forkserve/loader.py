@@ -1,7 +1,8 @@
 """Loading the WSGI application from ``MODULE:NAME`` or ``MODULE:factory(args)``.
 
-Owns: resolving the spec and turning any failure into one readable line. Imports only the
-standard library.
+Owns: resolving the spec and turning any failure into one readable line, ``sys.exit()`` and
+(where the caller asks) ``os._exit()`` called by the application while it is imported
+included. Imports only the standard library.
 """
 
 from __future__ import annotations
@@ -11,7 +12,13 @@ import importlib
 import os
 import sys
 import traceback
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, NoReturn
+
+# The application could not be loaded (forkserve.counters.ExitCode.APP_LOAD_ERROR; this
+# module imports only the standard library, and a unit test keeps the two equal).
+APP_LOAD_EXIT = 4
+MAX_EXIT_TEXT = 500  # a sys.exit() message is shown on one line, and fits a counter record
 
 
 class AppLoadError(Exception):
@@ -30,6 +37,28 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}{where}".rstrip()
 
 
+def _exit_call(exc: SystemExit) -> tuple[str, str]:
+    """What the application called, as the operator would write it (``sys.exit()``,
+    ``sys.exit(3)``, ``sys.exit(...)``), and its message on one line ("" if none)."""
+    code = exc.code
+    if code is None:
+        return "sys.exit()", ""
+    if isinstance(code, int):
+        return f"sys.exit({code})", ""
+    text = " ".join(str(code).split())  # a multi-line message becomes one line
+    if len(text) > MAX_EXIT_TEXT:
+        text = text[:MAX_EXIT_TEXT] + "..."
+    return "sys.exit(...)", text
+
+
+def _exited(exc: SystemExit, during: str) -> str:
+    """``the application called sys.exit(...) while being imported: FATAL: ... (app.py:3)``"""
+    call, text = _exit_call(exc)
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({os.path.relpath(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    return f"the application called {call} {during}{': ' + text if text else ''}{where}"
+
+
 def _call(expr: str, obj: Any, spec: str) -> Any:
     """``factory(1, debug=True)``: arguments must be literals, never evaluated code."""
     try:
@@ -45,6 +74,8 @@ def _call(expr: str, obj: Any, spec: str) -> Any:
         raise AppLoadError(f"{spec!r}: factory arguments must be literals") from None
     try:
         return obj(*args, **kwargs)
+    except SystemExit as exc:
+        raise AppLoadError(_exited(exc, f"in the factory {spec!r}")) from exc
     except Exception as exc:
         raise AppLoadError(f"the factory in {spec!r} failed: {_describe(exc)}") from exc
 
@@ -56,6 +87,11 @@ def load_app(spec: str) -> Callable[..., Any]:
         sys.path.insert(0, os.getcwd())  # as python -m does: `forkserve myapp:app` finds ./myapp.py
     try:
         module = importlib.import_module(module_name)
+    except SystemExit as exc:
+        # A settings module refusing to start (sys.exit("FATAL: DATABASE_URL is not set")):
+        # an application that cannot be loaded like any other, not an exit of the server or
+        # of a worker that would leave the message unread.
+        raise AppLoadError(_exited(exc, "while being imported")) from exc
     except Exception as exc:
         raise AppLoadError(f"cannot import {module_name!r}: {_describe(exc)}") from exc
     name, paren, _ = attr.partition("(")
@@ -72,3 +108,26 @@ def load_app(spec: str) -> Callable[..., Any]:
         raise AppLoadError(f"{spec!r} is not callable (got {type(obj).__name__})")
     app: Callable[..., Any] = obj
     return app
+
+
+@contextmanager
+def os_exit_reported(report: Callable[[str], None]) -> Iterator[None]:
+    """Around loading the application in a process of ours that must say why it ends (the
+    arbiter with --preload, --check): an ``os._exit(n)`` called meanwhile would end it
+    with code n and no word. Here ``report`` gets one line naming the call, then the process
+    exits with APP_LOAD_EXIT. ``os._exit`` is replaced for the duration only, for every
+    thread (a thread the import started may be the one that calls it), and restored after;
+    nothing else can intercept it (it runs no handler, atexit or finally)."""
+    real = os._exit
+
+    def exit_while_loading(status: int) -> NoReturn:
+        try:
+            report(f"the application called os._exit({status}) while being imported")
+        finally:
+            real(APP_LOAD_EXIT)
+
+    os._exit = exit_while_loading
+    try:
+        yield
+    finally:
+        os._exit = real

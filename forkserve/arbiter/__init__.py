@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 from forkserve import signals as sigs
 from forkserve.signals import ARBITER_SIGNALS
 from forkserve.config import Config
-from forkserve.control import ControlServer
+from forkserve.control import ControlError, ControlServer
 from forkserve.counters import Decoder, ExitCode
 from forkserve.lifecycle import Event, State, next_state
 from forkserve.logs import Log
@@ -105,7 +105,20 @@ class Arbiter(WorkerTable, Drain, Generations, Upgrade, Handoff, Observe, Comman
         reactor.add(self.signals.fileno(), select.POLLIN, read_each_round)
         reactor.add(self.counter_r, select.POLLIN, read_each_round)
         if self.config.control_socket:
-            self.control = ControlServer(self.config.control_socket, self.command, reactor)
+            try:
+                self.control = ControlServer(self.config.control_socket, self.command, reactor)
+            except ControlError as exc:
+                if inherited is None:
+                    # Nothing forked yet: one line, exit 1, and the listeners closed (a unix
+                    # one's file removed) as at any exit.
+                    self.log.error(str(exc))
+                    for listener in self.listeners:
+                        listener.close(unlink=True)
+                    if self.status_sock is not None:
+                        self.status_sock.close()
+                    return ExitCode.ERROR
+                # After an in-place upgrade the old image's workers serve: keep them serving.
+                self.log.error(f"{exc}; serving without it")
         if self.status_sock is not None:
             self.status_server = StatusServer(self.status_sock, reactor, self.answer_status,
                                               self.log, accepting=not self.status_deferred)

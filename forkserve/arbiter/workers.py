@@ -40,6 +40,7 @@ class WorkerHandle:
     deaf: bool = False  # paused (TTOU): it closed its listeners for good; it serves no newcomer
     retiring: str = ""  # why the worker leaves on its own (max-requests)
     boot_error: str = ""
+    imports_app: bool = True  # it loads the application itself (not --preload)
     kill_reason: str = ""
     escalate_at: float | None = None  # when to send escalate_signal (a worker not leaving)
     escalate_signal: int = signal.SIGKILL
@@ -118,12 +119,25 @@ class WorkerHandle:
     def boot_failure(self, status: int) -> tuple[str, int]:
         """A worker gone before it booted: the reason to log, and the exit code the server
         takes if this was the first generation (an app that cannot load is told apart)."""
-        load_error = bool(self.boot_error) or (
-            os.WIFEXITED(status) and os.WEXITSTATUS(status) == ExitCode.APP_LOAD_ERROR)
-        reason = (self.boot_error or self.kill_reason
-                  or ("the application could not be loaded" if load_error
-                      else f"a worker {describe_status(status)} while booting"))
-        return reason, ExitCode.APP_LOAD_ERROR if load_error else ExitCode.WORKER_BOOT_ERROR
+        exited = os.WIFEXITED(status) and not self.kill_reason
+        if self.boot_error:
+            return self.boot_error, ExitCode.APP_LOAD_ERROR
+        if exited and os.WEXITSTATUS(status) == ExitCode.APP_LOAD_ERROR:
+            return "the application could not be loaded", ExitCode.APP_LOAD_ERROR
+        if exited and os.WEXITSTATUS(status) == ExitCode.WORKER_BOOT_ERROR:
+            # The worker's own code for a crash of its set-up while booting (it logged the
+            # traceback): not the application's doing.
+            return "a worker crashed while booting (its traceback is logged above)", \
+                ExitCode.WORKER_BOOT_ERROR
+        if exited and self.imports_app:
+            # Gone with an exit code and no BOOT_ERROR record: a failed import sends one
+            # (sys.exit() at import included, see forkserve.loader), so something ended the
+            # process outright while it imported the app: os._exit(n), most likely. (A crash
+            # of the worker's own set-up before the import logs its traceback itself.)
+            return (f"a worker exited with code {os.WEXITSTATUS(status)} while importing the "
+                    "application (os._exit?)"), ExitCode.APP_LOAD_ERROR
+        reason = self.kill_reason or f"a worker {describe_status(status)} while booting"
+        return reason, ExitCode.WORKER_BOOT_ERROR
 
 
 @dataclass(kw_only=True)
@@ -137,7 +151,8 @@ class WorkerTable(Part):
     # -- workers ---------------------------------------------------------------------------
     def spawn(self, worker_id: int, now: float) -> None:
         handle = WorkerHandle(worker_id, self.generation, spawned_at=now, last_seen=now,
-                              deaf=self.paused)  # spawned while paused: it has no listener
+                              deaf=self.paused,  # spawned while paused: it has no listener
+                              imports_app=self.app is None)
         pid = sigs.fork_with_signals_blocked()
         if pid == 0:  # the child: never returns into the arbiter's loop
             try:

@@ -9,6 +9,9 @@ Nothing is formatted at all when the access log is off: the worker does not crea
 USR1 reopens the file (logrotate): what is buffered goes to the old file first, then the new
 file takes every later line; a lock keeps a request thread's flush from writing to a descriptor
 being swapped, so no line is lost or written twice.
+
+A write that fails (a full disk) drops its lines and serving goes on; the loss is counted and
+told at a bounded rate (:mod:`forkserve.telemetry.losses`).
 """
 
 from __future__ import annotations
@@ -20,12 +23,15 @@ import sys
 import threading
 import time
 
+from forkserve.telemetry.losses import ErrorSink, LostLines
+
 FLUSH_AT = 65536
 REQUEST_ID_MAX = 200  # longer incoming X-Request-ID values are replaced, not logged
 
 class AccessLog:
-    def __init__(self, target: str, fmt: str = "combined") -> None:
+    def __init__(self, target: str, fmt: str = "combined", errors: ErrorSink | None = None) -> None:
         self.target = target
+        self.losses = LostLines(f"access log {target}", errors)
         self.fmt = fmt
         self.template = None if fmt in ("combined", "json") else fmt + "\n"
         self.fd = -1
@@ -43,6 +49,7 @@ class AccessLog:
             self.fd = sys.stdout.fileno()
             self._owns_fd = False
         else:
+            # As forkserve.logs.open_append (the arbiter's check before forking opens it so).
             self.fd = os.open(self.target, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
             self._owns_fd = True
 
@@ -113,10 +120,14 @@ class AccessLog:
         try:
             while data:
                 written = os.write(self.fd, data)
+                if written <= 0:  # never spin on a descriptor that takes nothing
+                    raise OSError(0, "the file took no bytes")
                 data = data[written:]
         except OSError as exc:
-            # Report on stderr; there is no better place, and serving must go on.
-            sys.stderr.write(f"forkserve: access log {self.target}: {exc.strerror}\n")
+            # Serving goes on; the lines are gone (a partly written batch counts whole).
+            self.losses.failed(len(lines), exc)
+            return
+        self.losses.succeeded()
 
     def reopen(self) -> None:
         with self._lock:

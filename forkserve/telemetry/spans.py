@@ -5,6 +5,9 @@ written when the worker goes idle, when the buffer is large, and always before t
 exits (every path but SIGKILL). ``SpanLog`` writes one JSON object per line; when the
 ``opentelemetry-sdk`` package is installed, ``OpenTelemetrySink`` hands spans to an SDK
 tracer provider instead and ``flush`` is its ``force_flush``.
+
+A span log that cannot be written (a full disk) drops the spans and serving goes on; the loss
+is counted and told at a bounded rate (:mod:`forkserve.telemetry.losses`).
 """
 
 from __future__ import annotations
@@ -17,13 +20,16 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from forkserve.context import CURRENT
+from forkserve.telemetry.losses import ErrorSink, LostLines
 
 FLUSH_AT = 256  # spans
 
 
 class SpanLog:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, errors: ErrorSink | None = None) -> None:
         self.path = path
+        self.losses = LostLines(f"span log {path}", errors)
+        # As forkserve.logs.open_append (the arbiter's check before forking opens it so).
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         self._spans: list[dict[str, Any]] = []
         self._next_flush = 0.0
@@ -41,8 +47,17 @@ class SpanLog:
         spans, self._spans = self._spans, []
         data = "".join(json.dumps(r, default=str, separators=(",", ":")) + "\n"
                        for r in spans).encode("utf-8")
-        while data:
-            data = data[os.write(self.fd, data):]
+        try:
+            while data:
+                written = os.write(self.fd, data)
+                if written <= 0:  # never spin on a descriptor that takes nothing
+                    raise OSError(0, "the file took no bytes")
+                data = data[written:]
+        except OSError as exc:
+            # Raised here, it would end the request (or the worker's exit path) over a log.
+            self.losses.failed(len(spans), exc)
+            return
+        self.losses.succeeded()
 
     def flush_if_due(self) -> None:
         """After each request: write when a second has passed since the last write."""
