@@ -61,8 +61,18 @@ def open_listeners(config: Config, handover: Handover | None, log: Log
 
 def _bind(config: Config, inherited: list[Listener] | None = None) -> list[Listener]:
     identity = config.worker_identity() if config.user is not None else None
-    return bind(config.bind, config.backlog, config.reuse_port, inherited, config.bind_mode,
+    return bind(config.bind, config.backlog, config.reuse_port, inherited, unix_mode(config),
                 config.bind_gid(), identity[0] if identity else None)
+
+
+def unix_mode(config: Config) -> int:
+    """The mode of the unix sockets we bind: --bind-mode, else 666 (less --umask, if one is
+    given). Not the inherited umask's 755: connecting needs write permission, and nginx
+    running as another user would get 502 (gunicorn's sockets are 777 for the same reason).
+    666 opens the socket to local users as a port on 127.0.0.1 is open to them."""
+    if config.bind_mode is not None:
+        return int(config.bind_mode)
+    return 0o666 & ~int(config.umask or 0)
 
 
 def open_sockets(config: Config, handover: Handover | None, log: Log

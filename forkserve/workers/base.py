@@ -205,7 +205,10 @@ class Worker:
             code = exc.code if isinstance(exc.code, int) else ExitCode.ERROR
         except BaseException as exc:  # the last line of defence: log it, never a silent death
             self.log.exception(f"Worker {self.worker_id} crashed", exc)
-            code = ExitCode.ERROR
+            # While booting, the code says so: the arbiter tells this crash (logged above)
+            # from an application that ended the process while it was being imported.
+            code = (ExitCode.WORKER_BOOT_ERROR if self.state is WorkerState.BOOTING
+                    else ExitCode.ERROR)
         finally:
             self._close_pool()
             self._flush_telemetry()
@@ -248,7 +251,9 @@ class Worker:
         self.counters.pid = os.getpid()
         _set_title(f"forkserve: worker {self.worker_id} [{self.settings.app}]")
         if self.settings.access_log:
-            self.access_log = AccessLog(self.settings.access_log, self.settings.access_log_format)
+            # Its write failures (a full disk) are told in the error log, rate-limited.
+            self.access_log = AccessLog(self.settings.access_log, self.settings.access_log_format,
+                                        errors=self.log)
             self.request_ids = RequestIds()
         if self.settings.metrics_dir:
             try:
@@ -261,7 +266,8 @@ class Worker:
                                    self._pool_changed, self.spans)
         # Files are opened before the drop (the access log above): a path only root may write
         # (/var/log/...) still works; its sinks are put together once the app is loaded.
-        self.span_log = SpanLog(self.settings.span_log) if self.settings.span_log else None
+        self.span_log = (SpanLog(self.settings.span_log, errors=self.log)
+                         if self.settings.span_log else None)
         self._drop_privileges()
         # After the drop (a change of credentials clears it); the arbiter may already be gone.
         signal.signal(ORPHAN_SIGNAL, self._on_orphaned)
@@ -284,7 +290,9 @@ class Worker:
         """USR1. A file the worker may no longer open (logrotate made it root's, and we run as
         --user) keeps being written: one error line, never a crash (a crash per USR1 would
         replace every worker)."""
-        for name, log in (("error log", self.log), ("access log", self.access_log)):
+        logs: tuple[tuple[str, Log | AccessLog | SpanLog | None], ...] = (
+            ("error log", self.log), ("access log", self.access_log), ("span log", self.span_log))
+        for name, log in logs:
             if log is None:
                 continue
             try:

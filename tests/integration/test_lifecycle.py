@@ -234,12 +234,13 @@ def test_app_load_error_exit_code_is_reliable(server_factory: Any) -> None:
         server.close()
 
 
-def test_worker_dying_while_booting_exits_3(server_factory: Any) -> None:
+def test_worker_exiting_while_importing_exits_4(server_factory: Any) -> None:
+    # os._exit(7) at import: no BOOT_ERROR record, an exit code; the import ended the worker.
     server = server_factory(app="tests.apps.lifecycle:app", env={"LIFECYCLE_EXIT_ON_IMPORT": "7"})
-    assert exit_code(server, 30) == WORKER_BOOT_ERROR, server.log_text()
+    assert exit_code(server, 30) == APP_LOAD_ERROR, server.log_text()
     lines = errors(server)
     assert len(lines) == 1, server.log_text()
-    assert "exited with code 7" in lines[0]["message"]
+    assert "exited with code 7 while importing the application (os._exit?)" in lines[0]["message"]
 
 
 def test_worker_hanging_while_booting_times_out(server_factory: Any, tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import json
 import os
 import pwd
 import signal
+import socket
 import stat
 import urllib.request
 from pathlib import Path
@@ -80,3 +81,40 @@ def test_workers_run_as_the_user_and_the_arbiter_stays_root(server_factory: Any,
     server.signal(signal.SIGTERM)
     assert server.wait_exit() == 0
     assert len(access.read_text().splitlines()) >= lines_before + 50
+
+
+def test_a_unix_socket_lets_a_proxy_running_as_another_user_connect(server_factory: Any,
+                                                                   ctl_dir: Path) -> None:
+    """Without --bind-mode a unix socket is 666, whatever the inherited umask (022 would make
+    it 755: connecting needs write permission, so nginx running as www-data got 502)."""
+    nobody = pwd.getpwnam("nobody")
+    os.chmod(ctl_dir, 0o755)  # (mkdtemp's 700 would stop nobody before the socket's mode)
+    sock_path = ctl_dir / "app.sock"
+    server = server_factory("-b", f"unix:{sock_path}").wait_ready()
+    assert stat.S_IMODE(os.stat(sock_path).st_mode) == 0o666
+    read_fd, write_fd = os.pipe()
+    child = os.fork()
+    if child == 0:  # a client as nobody
+        code = 1
+        try:
+            os.close(read_fd)
+            os.setgid(nobody.pw_gid)
+            os.setuid(nobody.pw_uid)
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            client.settimeout(10)
+            client.connect(str(sock_path))
+            client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            answer = b""
+            while chunk := client.recv(65536):
+                answer += chunk
+            os.write(write_fd, answer[:12])
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as answer:
+        status_line = answer.read()
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and status_line == b"HTTP/1.1 200", status_line
+    server.signal(signal.SIGTERM)
+    assert server.wait_exit(10) == 0

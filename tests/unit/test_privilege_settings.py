@@ -67,3 +67,13 @@ def test_without_root_another_user_is_refused(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(ConfigError) as caught:
         config("--user", "0")
     assert str(caught.value) == "--user/--group need root: forkserve runs as uid 1000"
+
+
+@pytest.mark.parametrize("argv, mode", [([], 0o666), (["--umask", "027"], 0o640),
+                                        (["--bind-mode", "600"], 0o600),
+                                        (["--bind-mode", "660", "--umask", "077"], 0o660)])
+def test_the_mode_of_a_unix_socket(argv: list[str], mode: int) -> None:
+    """666 unless told: the inherited umask (022: 755) would lock out a proxy running as
+    another user; an explicit --umask narrows it, an explicit --bind-mode is taken as is."""
+    from forkserve.arbiter.acquire import unix_mode
+    assert unix_mode(config(*argv)) == mode
