@@ -1,6 +1,6 @@
 """Hostile clients: what slow, silent, greedy or broken peers do to each server configuration.
 
-    python bench/hostile.py                                # every probe × every server (~30 min)
+    python bench/hostile.py                                # every probe × every server (~15 min)
     python bench/hostile.py --quick                        # probes 1-4 run 10 s, not 30 s
     python bench/hostile.py --servers fs-sync,gu-sync --probes 1,2,slowloris --json
     python bench/hostile.py --probes trailer --servers fs-gevent
@@ -30,7 +30,8 @@ sent (an unanswered request counts as infinite, shown ``>10s``).
 The attackers of probes 1-4 run in a child process of their own (a poll loop over
 non-blocking sockets), so they do not take the GIL from the legitimate clients. The machine
 is shared: the 1-minute load average before and after every cell is printed with the table.
-``--json`` saves everything (cells, details, log excerpts) under ``bench/results/``.
+``--json`` saves everything (cells, details, log excerpts, the first traceback a server
+wrote) under ``bench/results/``; a cell whose server wrote tracebacks says so under the table.
 """
 
 from __future__ import annotations
@@ -547,6 +548,21 @@ def excerpt(lines: list[str], first: int = 12) -> str:
     return "\n".join(shown) + (f"\n... ({more} more lines)" if more > 0 else "")
 
 
+def first_traceback(text: str, most: int = 80) -> str:
+    """The server's first traceback whole (with the log line before it), up to the next log
+    record: the excerpt folds repeated lines, which would cut a traceback short."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("Traceback")), None)
+    if start is None:
+        return ""
+    shown = lines[max(0, start - 1):start + 1]
+    for line in lines[start + 1:start + most]:
+        if line.startswith(("[20", "--- Logging error ---")):
+            break
+        shown.append(line)
+    return "\n".join(shown)
+
+
 def probe_swarm(cell: Cell, server: ServerProc, kind: str, duration: float) -> None:
     count = SWARM[kind]
     err0 = server.stderr_size()
@@ -815,9 +831,11 @@ def run_cell(probe: str, name: str, tmp: Path, duration: float) -> Cell:
         cell.stderr_excerpt = cell.stderr_excerpt or excerpt(server.stderr_text().splitlines()[-30:])
     finally:
         cell.notes += server.kill()
-    tracebacks = server.stderr_text().count("Traceback (most recent call last)")
+    text = server.stderr_text()
+    tracebacks = text.count("Traceback (most recent call last)")
     if tracebacks:
         cell.notes.append(f"{tracebacks} traceback(s) in the server's stderr")
+        cell.details["first_traceback"] = first_traceback(text)
     cell.details["argv"] = " ".join(server.argv[1:])
     cell.load_after = os.getloadavg()[0]
     cell.seconds = time.monotonic() - started
