@@ -345,19 +345,32 @@ class Pipeline(Worker):
 
     def keep_serving(self, conn: Connection, listener: Listener) -> None:
         """A connection served in one place to its end (sync and gevent workers): its
-        requests, and between them the worker's own ``wait_idle``; then it is released."""
+        requests, and between them the worker's own ``wait_idle``; then it is released,
+        or, with a response the client has not taken yet, left to the worker's loop
+        (``write_later``)."""
         base = self.environs[id(listener)]
         linger = False
+        handed = False
         try:
             while True:
                 ending = self.serve_connection(conn, base)
+                if conn.unsent is not None:
+                    self.write_later(conn, listener, ending)
+                    handed = True
+                    return
                 if ending is not Ending.IDLE or not self.wait_idle(conn):
                     linger = ending is Ending.LINGER
                     return
         except ClientGone:
             return
         finally:
-            self.release(conn, linger)
+            if not handed:
+                self.release(conn, linger)
+
+    def write_later(self, conn: Connection, listener: Listener, ending: Ending) -> None:
+        """Where ``defers_writes``: the worker's loop writes out ``conn.unsent`` as the client
+        takes it, then ends the connection as ``ending`` says, or goes on serving it."""
+        raise NotImplementedError
 
     def wait_idle(self, conn: Connection) -> bool:
         """Between requests on a kept-alive connection: True when the client sent more."""

@@ -32,7 +32,8 @@ from forkserve.http.proxy_protocol import ProxyProtocolError
 from forkserve.sockets import Listener, accept_queue_length, queued_clients
 from forkserve.workers.base import WorkerState
 from forkserve.workers.connection import Connection
-from forkserve.workers.pipeline import BODY_BUFFER, Pipeline, stop_grace_end
+from forkserve.workers.pipeline import BODY_BUFFER, Ending, Pipeline, stop_grace_end
+from forkserve.wsgi import ClientGone
 
 POLLIN = select.POLLIN
 RUNNING = WorkerState.RUNNING
@@ -40,6 +41,7 @@ RUNNING = WorkerState.RUNNING
 
 class SyncWorker(Pipeline):
     multithread = False
+    defers_writes = True  # a whole response a slow reader has not taken: the loop writes it
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -56,6 +58,8 @@ class SyncWorker(Pipeline):
         # the time it may take until.
         self.pending: dict[int, tuple[Connection, Listener, float]] = {}
         self.limit = self.settings.max_connections or 1000  # connections held, pending ones too
+        # fd -> a connection whose response the loop writes out, how it ends then, deadline
+        self.flushing: dict[int, tuple[Connection, Listener, Ending, float]] = {}
 
     def serve(self) -> None:
         self.setup_http()
@@ -74,6 +78,7 @@ class SyncWorker(Pipeline):
             self._settle_pending()
             if self.state is WorkerState.STOPPING and not self.retire_reason:
                 self._drain_accept_queue()
+                self._settle_pending()  # (responses to those still going out)
             elif self.state is WorkerState.CANCELLED:
                 self._turn_away_queue()
         finally:
@@ -87,7 +92,7 @@ class SyncWorker(Pipeline):
                 self._pause()
             elif self.listeners_changed:
                 self._forget_closed_listeners()
-            if self.pending:
+            if self.pending or self.flushing:
                 # Pending clients whose request came are served before anyone new: under a
                 # steady queue they would otherwise wait for a lull.
                 self._expire_pending()
@@ -96,6 +101,11 @@ class SyncWorker(Pipeline):
             accepted = self._accept() if self.counters.active_connections < self.limit else None
             if accepted is not None:
                 self._take(*accepted)
+                # Clients that come and never finish a request (slowloris) keep this loop from
+                # ever waiting: the heartbeat must not depend on a wait or a served request.
+                now = time.monotonic()
+                if now >= self.next_heartbeat:
+                    self.heartbeat(now)
                 continue
             self.before_waiting()
             self._round(self._until_due(heartbeat_ms))
@@ -106,8 +116,8 @@ class SyncWorker(Pipeline):
         state and the queue again."""
         acted = False
         for fd, _ in self._poll_main(timeout_ms, listen):
-            if fd in self.pending:
-                ready = self._gather(fd)
+            if fd in self.pending or fd in self.flushing:
+                ready = self._gather(fd) if fd in self.pending else self._write_out(fd)
                 if ready is not None:
                     self._serve(*ready)
                     acted = True
@@ -117,9 +127,10 @@ class SyncWorker(Pipeline):
         return acted
 
     def _until_due(self, timeout_ms: float) -> float:
-        """``timeout_ms``, or less: until the first pending client's time is up."""
-        if self.pending:
-            due = min(deadline for _, _, deadline in self.pending.values())
+        """``timeout_ms``, or less: until the first pending or flushing client's time is up."""
+        if self.pending or self.flushing:
+            due = min([deadline for _, _, deadline in self.pending.values()]
+                      + [flushing[3] for flushing in self.flushing.values()])
             timeout_ms = min(timeout_ms, max(due - time.monotonic(), 0.0) * 1000.0 + 1)
         return timeout_ms
 
@@ -163,11 +174,54 @@ class SyncWorker(Pipeline):
         self.main_poll.unregister(fd)
         self.waiting_poll.unregister(fd)
 
+    # -- responses the loop writes out ----------------------------------------------------
+    def write_later(self, conn: Connection, listener: Listener, ending: Ending) -> None:
+        """A whole response the client did not take at once: the loop sends the rest as it
+        reads (bounded by --header-timeout between its reads), and the worker is free for
+        the next request meanwhile."""
+        self.flushing[conn.fd] = (conn, listener, ending,
+                                  time.monotonic() + self.settings.header_timeout)
+        self.main_poll.register(conn.fd, select.POLLOUT)
+
+    def _write_out(self, fd: int) -> tuple[Connection, Listener] | None:
+        """The client took more: send what it takes. Once all is out the connection ends,
+        or waits pending for its next request (a kept-alive one), or is returned to be
+        served at once (a pipelined request is already here)."""
+        conn, listener, ending, _ = self.flushing[fd]
+        try:
+            done = conn.write_unsent()
+        except ClientGone:
+            done, ending = True, Ending.CLOSE
+        if not done:
+            self.flushing[fd] = (conn, listener, ending,
+                                 time.monotonic() + self.settings.header_timeout)
+            return None
+        del self.flushing[fd]
+        self.main_poll.unregister(fd)
+        if ending is not Ending.IDLE:
+            self.release(conn, linger=ending is Ending.LINGER)
+            return None
+        if conn.events:
+            return conn, listener
+        deadline = conn.idle_since + self.settings.keepalive
+        if self.state is not RUNNING:
+            deadline = min(deadline, stop_grace_end(conn, self.stop_began()))
+        self.pending[fd] = (conn, listener, deadline)
+        self.main_poll.register(fd, POLLIN)
+        self.waiting_poll.register(fd, POLLIN)
+        return None
+
     def _expire_pending(self) -> None:
         """Pending clients whose time is up: a request begun and not finished in time gets a
         408 here (it never reaches the app); a silent one is closed, unless a stopping worker
-        finds its request arrived just now (answered, never reset)."""
+        finds its request arrived just now (answered, never reset). A client that stopped
+        reading its response is closed."""
         now = time.monotonic()
+        for fd, (conn, _, _, deadline) in list(self.flushing.items()):
+            if now >= deadline:
+                del self.flushing[fd]
+                self.main_poll.unregister(fd)
+                self.release(conn)
         for fd, (conn, listener, deadline) in list(self.pending.items()):
             if now < deadline or fd not in self.pending:
                 continue
@@ -187,14 +241,19 @@ class SyncWorker(Pipeline):
         for fd, (conn, listener, deadline) in list(self.pending.items()):
             if not conn.received:
                 self.pending[fd] = (conn, listener, min(deadline, stop_grace_end(conn, stop_began)))
-        while self.pending and self.state is WorkerState.STOPPING:
+        while (self.pending or self.flushing) and self.state is WorkerState.STOPPING:
             self._expire_pending()
+            self.before_waiting()
             self._round(self._until_due(self.heartbeat_interval * 1000.0), listen=False)
         for fd, (conn, _, _) in list(self.pending.items()):
             self._unpend(fd)
             if conn.received and self.state is WorkerState.CANCELLED:
                 self.refuse(conn, 503, "Service Unavailable")
             self.release(conn)
+        for fd, flushing in list(self.flushing.items()):  # cut at the deadline
+            del self.flushing[fd]
+            self.main_poll.unregister(fd)
+            self.release(flushing[0])
 
     def _poll_main(self, timeout_ms: float, listen: bool = True) -> list[tuple[int, int]]:
         """main_poll's wait, leaving the listeners out while the worker takes no one (full,
@@ -346,6 +405,8 @@ class SyncWorker(Pipeline):
                     newcomer = self._newcomer()
                 elif fd in self.pending:
                     newcomer = self._gather(fd)
+                elif fd in self.flushing:
+                    newcomer = self._write_out(fd)
                 else:
                     self._wake(fd)
             self._expire_pending()

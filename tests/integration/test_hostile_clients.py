@@ -274,13 +274,13 @@ class NonReaders:
             sock.close()
 
 
-@pytest.mark.parametrize("worker_class", ["thread", "gevent"])
+@pytest.mark.parametrize("worker_class", WORKER_CLASSES)
 def test_clients_that_stop_reading_do_not_hold_up_anyone(server_factory: Any,
                                                          worker_class: str) -> None:
     """10 clients ask for a 16 MB response each and read none of it (more than 2 workers
     times 4 threads): the legitimate requests made meanwhile are each answered within a
-    second. (A sync worker is held by such a client until --header-timeout: by design; the
-    README says what belongs in front of it.)"""
+    second. (The sync and thread workers leave a whole response's rest to their poll loop;
+    a streamed one still holds the worker or thread that writes it.)"""
     server = start(server_factory, worker_class)
     readers = NonReaders(server.port, 10, 16_000_000)
     try:
@@ -290,7 +290,7 @@ def test_clients_that_stop_reading_do_not_hold_up_anyone(server_factory: Any,
     assert max(latencies) < 1.0, f"slowest of {len(latencies)}: {max(latencies):.2f}s"
 
 
-@pytest.mark.parametrize("worker_class", ["thread"])
+@pytest.mark.parametrize("worker_class", WORKER_CLASSES)
 def test_a_response_left_to_the_loop_reaches_a_slow_reader_whole(server_factory: Any,
                                                                  worker_class: str) -> None:
     """The rest of a whole response that a thread left to the poll loop arrives complete and
