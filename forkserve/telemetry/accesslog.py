@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from forkserve.telemetry.losses import ErrorSink, LostLines
+from forkserve.telemetry.losses import ErrorSink, LostLines, write_all
 
 FLUSH_AT = 65536
 REQUEST_ID_MAX = 200  # longer incoming X-Request-ID values are replaced, not logged
@@ -118,11 +118,7 @@ class AccessLog:
             return
         data = "".join(lines).encode("utf-8", "backslashreplace")
         try:
-            while data:
-                written = os.write(self.fd, data)
-                if written <= 0:  # never spin on a descriptor that takes nothing
-                    raise OSError(0, "the file took no bytes")
-                data = data[written:]
+            write_all(self.fd, data)
         except OSError as exc:
             # Serving goes on; the lines are gone (a partly written batch counts whole).
             self.losses.failed(len(lines), exc)

@@ -74,3 +74,13 @@ class LostLines:
         if total:
             self.report.error(f"The {self.what} is written again; {total} line(s) were lost "
                               "while it could not be", lost_total=total)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """All of ``data`` to ``fd``, or OSError: a descriptor that takes nothing (a write of 0)
+    fails too, never spins."""
+    while data:
+        written = os.write(fd, data)
+        if written <= 0:
+            raise OSError(0, "the file took no bytes")
+        data = data[written:]

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from forkserve.context import CURRENT
-from forkserve.telemetry.losses import ErrorSink, LostLines
+from forkserve.telemetry.losses import ErrorSink, LostLines, write_all
 
 FLUSH_AT = 256  # spans
 
@@ -48,11 +48,7 @@ class SpanLog:
         data = "".join(json.dumps(r, default=str, separators=(",", ":")) + "\n"
                        for r in spans).encode("utf-8")
         try:
-            while data:
-                written = os.write(self.fd, data)
-                if written <= 0:  # never spin on a descriptor that takes nothing
-                    raise OSError(0, "the file took no bytes")
-                data = data[written:]
+            write_all(self.fd, data)
         except OSError as exc:
             # Raised here, it would end the request (or the worker's exit path) over a log.
             self.losses.failed(len(spans), exc)

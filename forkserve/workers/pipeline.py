@@ -93,6 +93,8 @@ class Pipeline(Worker):
         self.stop_signalled = self.cancel_signalled = False
         self.proxy_refused = 0  # PROXY headers refused since the last line about them
         self.proxy_logged_at = -PROXY_LOG_INTERVAL
+        # fd -> a connection whose response the loop writes out, how it ends then, deadline
+        self.flushing: dict[int, tuple[Connection, Listener, Ending, float]] = {}
         self.accept_resumes = 0.0  # monotonic time accepting resumes (see accept_paused_for)
         self.accept_failures = 0  # failed accepts since the last line about them
         self.accept_troubled = False  # accept() failed, and no line has said it works again
@@ -367,10 +369,44 @@ class Pipeline(Worker):
             if not handed:
                 self.release(conn, linger)
 
+    # -- responses the loop writes out (where ``defers_writes``) ----------------------------
     def write_later(self, conn: Connection, listener: Listener, ending: Ending) -> None:
-        """Where ``defers_writes``: the worker's loop writes out ``conn.unsent`` as the client
-        takes it, then ends the connection as ``ending`` says, or goes on serving it."""
+        """A whole response the client did not take at once: the worker's loop sends the rest
+        as it reads, bounded by --header-timeout between its reads (``write_more``), then ends
+        the connection as ``ending`` says or goes on serving it. The worker (or request
+        thread) is free for the next request meanwhile."""
+        self.flushing[conn.fd] = (conn, listener, ending,
+                                  time.monotonic() + self.settings.header_timeout)
+        self.watch_writable(conn.fd, True)
+
+    def watch_writable(self, fd: int, on: bool) -> None:
+        """The loop's poll watches (or no longer watches) ``fd`` for POLLOUT."""
         raise NotImplementedError
+
+    def write_more(self, fd: int) -> tuple[Connection, Listener, Ending] | None:
+        """The loop saw a flushing client take more: send what it takes. None while some is
+        left; else the connection, no longer flushing, and how it ends now."""
+        conn, listener, ending, _ = self.flushing[fd]
+        try:
+            done = conn.write_unsent()
+        except ClientGone:
+            done, ending = True, Ending.CLOSE
+        if not done:
+            self.flushing[fd] = (conn, listener, ending,
+                                 time.monotonic() + self.settings.header_timeout)
+            return None
+        del self.flushing[fd]
+        self.watch_writable(fd, False)
+        return conn, listener, ending
+
+    def end_writes(self, now: float | None = None) -> None:
+        """Close the flushing connections whose client stopped reading (past their time at
+        ``now``), or all of them (None: cut at the drain deadline)."""
+        for fd, (conn, _, _, deadline) in list(self.flushing.items()):
+            if now is None or now >= deadline:
+                del self.flushing[fd]
+                self.watch_writable(fd, False)
+                self.release(conn)
 
     def wait_idle(self, conn: Connection) -> bool:
         """Between requests on a kept-alive connection: True when the client sent more."""

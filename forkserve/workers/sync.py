@@ -33,7 +33,6 @@ from forkserve.sockets import Listener, accept_queue_length, queued_clients
 from forkserve.workers.base import WorkerState
 from forkserve.workers.connection import Connection
 from forkserve.workers.pipeline import BODY_BUFFER, Ending, Pipeline, stop_grace_end
-from forkserve.wsgi import ClientGone
 
 POLLIN = select.POLLIN
 RUNNING = WorkerState.RUNNING
@@ -58,8 +57,6 @@ class SyncWorker(Pipeline):
         # the time it may take until.
         self.pending: dict[int, tuple[Connection, Listener, float]] = {}
         self.limit = self.settings.max_connections or 1000  # connections held, pending ones too
-        # fd -> a connection whose response the loop writes out, how it ends then, deadline
-        self.flushing: dict[int, tuple[Connection, Listener, Ending, float]] = {}
 
     def serve(self) -> None:
         self.setup_http()
@@ -120,7 +117,9 @@ class SyncWorker(Pipeline):
                 ready = self._gather(fd) if fd in self.pending else self._write_out(fd)
                 if ready is not None:
                     self._serve(*ready)
-                    acted = True
+                    # What else this poll saw may be stale now (a closed fd's number reused):
+                    # the next poll reports it again.
+                    return True
             elif fd not in self.listener_fds:
                 self._wake(fd)
                 acted = True
@@ -174,30 +173,21 @@ class SyncWorker(Pipeline):
         self.main_poll.unregister(fd)
         self.waiting_poll.unregister(fd)
 
-    # -- responses the loop writes out ----------------------------------------------------
-    def write_later(self, conn: Connection, listener: Listener, ending: Ending) -> None:
-        """A whole response the client did not take at once: the loop sends the rest as it
-        reads (bounded by --header-timeout between its reads), and the worker is free for
-        the next request meanwhile."""
-        self.flushing[conn.fd] = (conn, listener, ending,
-                                  time.monotonic() + self.settings.header_timeout)
-        self.main_poll.register(conn.fd, select.POLLOUT)
+    # -- responses the loop writes out (Pipeline.write_later) -------------------------------
+    def watch_writable(self, fd: int, on: bool) -> None:
+        if on:
+            self.main_poll.register(fd, select.POLLOUT)
+        else:
+            self.main_poll.unregister(fd)
 
     def _write_out(self, fd: int) -> tuple[Connection, Listener] | None:
-        """The client took more: send what it takes. Once all is out the connection ends,
-        or waits pending for its next request (a kept-alive one), or is returned to be
-        served at once (a pipelined request is already here)."""
-        conn, listener, ending, _ = self.flushing[fd]
-        try:
-            done = conn.write_unsent()
-        except ClientGone:
-            done, ending = True, Ending.CLOSE
-        if not done:
-            self.flushing[fd] = (conn, listener, ending,
-                                 time.monotonic() + self.settings.header_timeout)
+        """The client took more. Once all is out the connection ends, or waits pending for its
+        next request (a kept-alive one), or is returned to be served at once (a pipelined
+        request is already here)."""
+        done = self.write_more(fd)
+        if done is None:
             return None
-        del self.flushing[fd]
-        self.main_poll.unregister(fd)
+        conn, listener, ending = done
         if ending is not Ending.IDLE:
             self.release(conn, linger=ending is Ending.LINGER)
             return None
@@ -217,11 +207,8 @@ class SyncWorker(Pipeline):
         finds its request arrived just now (answered, never reset). A client that stopped
         reading its response is closed."""
         now = time.monotonic()
-        for fd, (conn, _, _, deadline) in list(self.flushing.items()):
-            if now >= deadline:
-                del self.flushing[fd]
-                self.main_poll.unregister(fd)
-                self.release(conn)
+        if self.flushing:
+            self.end_writes(now)
         for fd, (conn, listener, deadline) in list(self.pending.items()):
             if now < deadline or fd not in self.pending:
                 continue
@@ -250,10 +237,7 @@ class SyncWorker(Pipeline):
             if conn.received and self.state is WorkerState.CANCELLED:
                 self.refuse(conn, 503, "Service Unavailable")
             self.release(conn)
-        for fd, flushing in list(self.flushing.items()):  # cut at the deadline
-            del self.flushing[fd]
-            self.main_poll.unregister(fd)
-            self.release(flushing[0])
+        self.end_writes()  # responses still going out are cut at the deadline
 
     def _poll_main(self, timeout_ms: float, listen: bool = True) -> list[tuple[int, int]]:
         """main_poll's wait, leaving the listeners out while the worker takes no one (full,

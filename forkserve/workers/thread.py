@@ -82,8 +82,6 @@ class ThreadWorker(Pipeline):
         for thread in self.pool_threads:
             thread.start()
         self.idle: dict[int, tuple[Connection, Listener, float]] = {}  # fd -> conn, deadline
-        # fd -> a connection whose response the loop writes out, how it ends then, deadline
-        self.flushing: dict[int, tuple[Connection, Listener, Ending, float]] = {}
         self.poller = select.poll()
         self.listener_fds = {listener.fd: listener for listener in self.listeners}
         for fd in (self.wakeup_r, self.alive_fd, self.back_r):
@@ -152,7 +150,7 @@ class ThreadWorker(Pipeline):
                     self._accept_into_pool(self.listener_fds[fd])
             self._expire_idle(time.monotonic())
             if self.flushing:
-                self._expire_flushing(time.monotonic())
+                self.end_writes(time.monotonic())
 
     def _accept_into_pool(self, listener: Listener) -> None:
         while self.counters.active_connections < self.limit:
@@ -219,10 +217,7 @@ class ThreadWorker(Pipeline):
             for fd, (conn, listener, deadline) in list(self.idle.items()):
                 self.idle[fd] = (conn, listener, self.stop_deadline(conn, deadline))
         if state is WorkerState.CANCELLED:
-            for fd in list(self.flushing):  # responses still going out are cut at the deadline
-                conn = self.flushing.pop(fd)[0]
-                self.poller.unregister(fd)
-                self._release(conn)
+            self.end_writes()  # responses still going out are cut at the deadline
             for fd in list(self.idle):
                 conn = self.idle.pop(fd)[0]
                 self.poller.unregister(fd)
@@ -249,9 +244,7 @@ class ThreadWorker(Pipeline):
             if self.state is WorkerState.CANCELLED or self.state is WorkerState.HALTING:
                 self._release(conn)
             elif conn.unsent is not None:
-                self.flushing[conn.fd] = (conn, listener, ending,
-                                          time.monotonic() + self.settings.header_timeout)
-                self.poller.register(conn.fd, POLLOUT)
+                self.write_later(conn, listener, ending)
             else:
                 self._after_response(conn, listener, ending)
 
@@ -269,29 +262,16 @@ class ThreadWorker(Pipeline):
                 deadline = self.stop_deadline(conn, deadline)
             self._wait_for_client(conn, listener, deadline)
 
-    def _write_out(self, fd: int) -> None:
-        """A slow reader took more: send what it takes; bounded by --header-timeout between
-        its reads, as a thread's send would be."""
-        conn, listener, ending, _ = self.flushing[fd]
-        try:
-            done = conn.write_unsent()
-        except ClientGone:
-            done, ending = True, Ending.CLOSE
-        if not done:
-            self.flushing[fd] = (conn, listener, ending,
-                                 time.monotonic() + self.settings.header_timeout)
-            return
-        del self.flushing[fd]
-        self.poller.unregister(fd)
-        self._after_response(conn, listener, ending)
+    def watch_writable(self, fd: int, on: bool) -> None:  # (Pipeline.write_later)
+        if on:
+            self.poller.register(fd, POLLOUT)
+        else:
+            self.poller.unregister(fd)
 
-    def _expire_flushing(self, now: float) -> None:
-        """Clients that stopped reading their response: the connection is closed."""
-        for fd, (conn, _, _, deadline) in list(self.flushing.items()):
-            if now >= deadline:
-                del self.flushing[fd]
-                self.poller.unregister(fd)
-                self._release(conn)
+    def _write_out(self, fd: int) -> None:
+        done = self.write_more(fd)
+        if done is not None:
+            self._after_response(*done)
 
     def _expire_idle(self, now: float) -> None:
         for fd, (conn, listener, deadline) in list(self.idle.items()):
