@@ -254,6 +254,16 @@ class Pipeline(Worker):
                            worker=self.worker_id)
             self.accept_failures = 0
 
+    def gather(self, conn: Connection) -> bool | None:
+        """``conn.gather()`` (sync and thread workers: is its request ready to serve?); None
+        when it began with a refused PROXY header, and it is closed (no answer: not HTTP)."""
+        try:
+            return conn.gather(BODY_BUFFER)
+        except ProxyProtocolError as exc:
+            self._proxy_refused(str(exc))
+            self.release(conn)
+            return None
+
     def gathered_until(self, conn: Connection, deadline: float) -> float:
         """After a ``gather()`` that left ``conn``'s request unready: until when its client
         may take, bounded as a wait on it would be: the head by --header-timeout from its

@@ -28,11 +28,10 @@ import socket
 import time
 from typing import Any
 
-from forkserve.http.proxy_protocol import ProxyProtocolError
 from forkserve.sockets import Listener, accept_queue_length, queued_clients
 from forkserve.workers.base import WorkerState
 from forkserve.workers.connection import Connection
-from forkserve.workers.pipeline import BODY_BUFFER, Ending, Pipeline, stop_grace_end
+from forkserve.workers.pipeline import Ending, Pipeline, stop_grace_end
 
 POLLIN = select.POLLIN
 RUNNING = WorkerState.RUNNING
@@ -143,30 +142,30 @@ class SyncWorker(Pipeline):
 
     def _pend(self, sock: socket.socket, addr: Any,
               listener: Listener) -> tuple[Connection, Listener] | None:
-        """A client just accepted, pending: its connection once its request is ready."""
+        """A client just accepted: its connection once its request is ready, else it is
+        pending (None)."""
         conn = self.open_connection(sock, addr)
         self.admit(conn)
-        self.pending[conn.fd] = (conn, listener, time.monotonic() + self.settings.header_timeout)
-        self.main_poll.register(conn.fd, POLLIN)
-        self.waiting_poll.register(conn.fd, POLLIN)  # a client waits: see should_close
-        return self._gather(conn.fd)
+        ready = self.gather(conn)
+        if ready:
+            return conn, listener
+        if ready is False:
+            deadline = time.monotonic() + self.settings.header_timeout
+            self.pending[conn.fd] = (conn, listener, self.gathered_until(conn, deadline))
+            self.main_poll.register(conn.fd, POLLIN)
+            self.waiting_poll.register(conn.fd, POLLIN)  # a client waits: see should_close
+        return None
 
     def _gather(self, fd: int) -> tuple[Connection, Listener] | None:
         """Read what a pending client sent; the connection and its listener once its request
         is ready (no longer pending), else None."""
         conn, listener, deadline = self.pending[fd]
-        try:
-            ready = conn.gather(BODY_BUFFER)
-        except ProxyProtocolError as exc:
-            self._proxy_refused(str(exc))
-            self._unpend(fd)
-            self.release(conn)  # not HTTP: no answer a balancer would read
-            return None
-        if not ready:
+        ready = self.gather(conn)
+        if ready is False:
             self.pending[fd] = (conn, listener, self.gathered_until(conn, deadline))
             return None
         self._unpend(fd)
-        return conn, listener
+        return (conn, listener) if ready else None
 
     def _unpend(self, fd: int) -> None:
         del self.pending[fd]

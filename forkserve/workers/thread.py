@@ -35,11 +35,10 @@ import time
 from typing import Any
 
 from forkserve.context import RequestCancelled
-from forkserve.http.proxy_protocol import ProxyProtocolError
 from forkserve.sockets import Listener
 from forkserve.workers.base import WorkerEvent, WorkerState, drain_pipe
 from forkserve.workers.connection import Abandoned, Connection
-from forkserve.workers.pipeline import BODY_BUFFER, Ending, Pipeline, stop_grace_end
+from forkserve.workers.pipeline import Ending, Pipeline, stop_grace_end
 from forkserve.wsgi import ClientGone
 
 POLLIN = select.POLLIN
@@ -159,15 +158,20 @@ class ThreadWorker(Pipeline):
                 return
             conn = self.open_connection(*accepted)
             self.admit(conn)
-            # A thread takes it once its client has sent something: a client that connects
-            # ahead of time (browsers, Go's and other pools do) must not hold a thread while
-            # the clients that did send wait behind it.
-            now = time.monotonic()
-            deadline = now + self.settings.header_timeout
+            # A thread takes it once its request is ready (its request is often here
+            # already: no poll round for it): a client that connects ahead of time (browsers,
+            # Go's and other pools do) or sends slowly must not hold a thread while the
+            # clients that did send wait behind it.
+            ready = self.gather(conn)
+            if ready:
+                self.work.put((conn, listener))
+                continue
+            if ready is None:
+                continue  # refused
+            deadline = time.monotonic() + self.settings.header_timeout
             if self.state is not RUNNING:
                 deadline = self.stop_deadline(conn, deadline)
-            self._wait_for_client(conn, listener, deadline)
-            self._gather(conn.fd)  # its request is often here already: no poll round for it
+            self._wait_for_client(conn, listener, self.gathered_until(conn, deadline))
 
     def _wait_for_client(self, conn: Connection, listener: Listener, deadline: float) -> None:
         """The main thread watches ``conn`` until its client's request is ready (then a thread
@@ -179,20 +183,14 @@ class ThreadWorker(Pipeline):
         """The client of a watched connection sent something: read it, and hand the
         connection to a thread once its request is ready (until then, see gathered_until)."""
         conn, listener, deadline = self.idle[fd]
-        try:
-            ready = conn.gather(BODY_BUFFER)
-        except ProxyProtocolError as exc:
-            self._proxy_refused(str(exc))
-            del self.idle[fd]
-            self.poller.unregister(fd)
-            self._release(conn)  # not HTTP: no answer a balancer would read
-            return
-        if ready:
-            del self.idle[fd]
-            self.poller.unregister(fd)
-            self.work.put((conn, listener))
-        else:
+        ready = self.gather(conn)
+        if ready is False:
             self.idle[fd] = (conn, listener, self.gathered_until(conn, deadline))
+            return
+        del self.idle[fd]
+        self.poller.unregister(fd)
+        if ready:
+            self.work.put((conn, listener))
 
     def _stop_listening(self, state: WorkerState) -> None:
         """Stopping or pausing: clients already queued are served (or, past the deadline,
