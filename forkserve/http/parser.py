@@ -252,7 +252,7 @@ class RequestParser:
         if not events:
             return False
         head = events[0]
-        if type(head) is not Request or not head.has_body or head.expect_continue:
+        if type(head) is not Request or not head.has_body or head.expect_continue or not enough:
             return True
         got = 0
         queued = iter(events)

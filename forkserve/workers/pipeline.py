@@ -51,10 +51,6 @@ PROXY_LOG_INTERVAL = 10.0  # seconds between log lines about refused PROXY heade
 ACCEPT_BACKOFF = 0.1
 ACCEPT_LOG_INTERVAL = 10.0  # seconds between log lines about failing accepts
 EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-# Bytes of a request body gathered without waiting before the request is served (a larger body
-# streams to the app): the sync and thread workers read a request this far before they commit
-# the worker or a thread to it, so that a slow client never holds one (see Connection.gather).
-BODY_BUFFER = 65536
 RUNNING = WorkerState.RUNNING
 STOPPING = WorkerState.STOPPING
 CANCELLED = WorkerState.CANCELLED
@@ -258,7 +254,7 @@ class Pipeline(Worker):
         """``conn.gather()`` (sync and thread workers: is its request ready to serve?); None
         when it began with a refused PROXY header, and it is closed (no answer: not HTTP)."""
         try:
-            return conn.gather(BODY_BUFFER)
+            return conn.gather(self.settings.body_buffer)
         except ProxyProtocolError as exc:
             self._proxy_refused(str(exc))
             self.release(conn)
