@@ -470,7 +470,8 @@ class Pipeline(Worker):
         """A request the server answers itself: it never reaches the application."""
         try:
             conn.send(simple_response(status, reason_phrase(status), self.dates,
-                                      body=f"{status} {reason}\n".encode("utf-8", "replace")))
+                                      body=f"{status} {reason}\n".encode("utf-8", "replace"),
+                                      head=conn.parser.refusing_head()))
         except ClientGone:
             return
         if self.metrics is not None:
@@ -602,7 +603,8 @@ class Pipeline(Worker):
             exchange.close = True  # the client sees a truncated response, never a wrong one
             return exchange.status_code
         try:
-            conn.send(simple_response(status, reason_phrase(status), self.dates))
+            conn.send(simple_response(status, reason_phrase(status), self.dates,
+                                      head=exchange.request.method == "HEAD"))
         except ClientGone:
             return status
         exchange.close = True
