@@ -301,6 +301,12 @@ SETTINGS: tuple[Setting, ...] = (
             "seconds a client has to send a whole request head from its first byte, and the "
             "longest pause in a body and in reading a response (a client that stops reading)",
             flags=("--header-timeout",), metavar="SECONDS"),
+    Setting("body_buffer", _int(0), 65536,
+            "sync and thread workers: bytes of a request body read before the app is called "
+            "(the rest streams), so a slow upload waits in the poller, not in the worker or a "
+            "thread; 0 calls the app once the head is complete (an app that answers a body "
+            "while it is still arriving; a slow uploader then holds the worker or thread)",
+            flags=("--body-buffer",), metavar="BYTES"),
     Setting("drain_timeout", _seconds, 25.0,
             "on TERM/INT, seconds to let in-flight requests finish before they are stopped",
             flags=("--drain-timeout",), aliases=("--graceful-timeout",), metavar="SECONDS"),

@@ -49,7 +49,7 @@ import httptools
 
 from forkserve.http.errors import HTTPError
 
-_TOKEN_START = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+( |\Z)")
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _PROBE = 64  # bytes of a request's start kept to tell a method token from garbage
 
 # Host = uri-host [ ":" port ] (RFC 9110 §7.2), uri-host being RFC 3986 §3.2.2's host:
@@ -210,12 +210,14 @@ class RequestParser:
         self._host = b""
         self._content_types = 0
         self._expect = False
+        self._close = False
         self._body_bytes = 0
         self._upgraded = False
         self._upgrade_remaining = 0
         self._in_body = False
         self._began_here = False
         self._probe = b""
+        self._bad_method = False  # llhttp refused the method; 400 or 501 is still to tell
         # The unfinished line (see feed): its length in bytes so far, whether the last thing
         # llhttp reported in this read was body data (then where lines start in the read is
         # not known), and whether a chunk-size line was the last line (trailers follow it).
@@ -252,7 +254,7 @@ class RequestParser:
         if not events:
             return False
         head = events[0]
-        if type(head) is not Request or not head.has_body or head.expect_continue:
+        if type(head) is not Request or not head.has_body or head.expect_continue or not enough:
             return True
         got = 0
         queued = iter(events)
@@ -264,6 +266,10 @@ class RequestParser:
             if got >= enough:
                 return True
         return False
+
+    def refusing_head(self) -> bool:
+        """Is the request being read (or the one refused) a HEAD? Its answer has no body."""
+        return bool(self._url_parts) and self._parser.get_method() == b"HEAD"
 
     def fail(self, error: HTTPError) -> None:
         """Refuse the request being read with ``error`` (raised by ``feed``), after those
@@ -286,11 +292,15 @@ class RequestParser:
         if self._upgraded:
             self._upgrade_body(data)
             return
+        if self._bad_method:
+            self._probe += data[:_PROBE]  # llhttp refused the method: is it a token?
+            self._refuse_method()
+            return
         idle = not self._in_head and not self._in_body
         if idle:
             self._probe = data  # the start of the next request: kept to tell 400 from 501
             self._began_here = False
-        elif self._in_head and not self._url_len and len(self._probe) < _PROBE:
+        elif self._in_head and not self._url_len and len(self._probe) < 2 * _PROBE:
             self._probe += data[:_PROBE]
         self._body_last = False
         try:
@@ -305,11 +315,9 @@ class RequestParser:
             self._on_upgrade(data, exc.args[0] if exc.args else len(data))
             return
         except httptools.HttpParserInvalidMethodError:
-            # 501 is for a well-formed method we do not implement (RFC 9110 §9.1); bytes
-            # that are no method at all (a TLS hello, garbage) are a bad request line (400).
-            if _TOKEN_START.match(self._probe.lstrip(b"\r\n")):
-                raise HTTPError(501, "Method not implemented") from None
-            raise HTTPError(400, "Bad request line") from None
+            self._bad_method = True
+            self._refuse_method()
+            return
         except httptools.HttpParserInvalidURLError:
             raise HTTPError(400, "Bad request target") from None
         except httptools.HttpParserError as exc:
@@ -327,6 +335,21 @@ class RequestParser:
             if self._head_bytes > self.limits.head:
                 # A long target is caught in on_url (414); what overflows here are fields.
                 raise HTTPError(431, "Request header fields too large")
+
+    def _refuse_method(self) -> None:
+        """llhttp refused the method: 501 for a well-formed method we do not implement (RFC
+        9110 §9.1), 400 for bytes that are no method at all (a TLS hello, garbage). Which it
+        is shows only once the token ends (a space: 501; any other byte, or no end within
+        ``_PROBE`` bytes: 400): until then this waits for more, so that the answer does not
+        depend on where the client's reads split the line."""
+        probe = self._probe.lstrip(b"\r\n")[:_PROBE]
+        match = _TOKEN.match(probe)
+        end = match.end() if match else 0
+        if end and end < len(probe) and probe[end] == 0x20:
+            raise HTTPError(501, "Method not implemented")
+        if end == len(probe) < _PROBE:
+            return  # the token may go on: decided by the next read (or the head's timeout)
+        raise HTTPError(400, "Bad request line")
 
     def _measure_line(self, data: bytes) -> None:
         """Bound the line llhttp is in the middle of, after each read, without parsing.
@@ -400,6 +423,7 @@ class RequestParser:
         self._host = b""
         self._content_types = 0
         self._expect = False
+        self._close = False
         self._body_bytes = 0
         self._after_chunk_size = False
 
@@ -447,6 +471,11 @@ class RequestParser:
             self._content_types += 1
         elif lname == b"expect":
             self._expect = value.strip().lower() == b"100-continue"
+        elif lname == b"connection" and b"close" in value.lower() and not self._close:
+            # llhttp reads only some shapes ("keep-alive, close" on HTTP/1.0 keeps the
+            # connection alive, as does a second Connection field): a close token anywhere,
+            # in any Connection field, closes (RFC 9112 §9.6).
+            self._close = any(t.strip() == b"close" for t in value.lower().split(b","))
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -481,10 +510,13 @@ class RequestParser:
         parts = self._url_parts
         target = parts[0] if len(parts) == 1 else b"".join(parts)
         method = parser.get_method().decode("ascii")
-        if target == b"*" and method != "OPTIONS":
-            raise HTTPError(400, "Asterisk-form is only for OPTIONS")  # RFC 9112 §3.2.4
+        if target[:1] == b"*" and (target != b"*" or method != "OPTIONS"):
+            # RFC 9112 §3.2.4: asterisk-form is a lone "*", and only for OPTIONS; "*/x" or
+            # "*.x" is no form at all (it would reach the app as PATH_INFO "*/x").
+            raise HTTPError(400, "Asterisk-form is a lone * and only for OPTIONS")
         self._events.append(Request(
-            method, target, version, self._headers, parser.should_keep_alive(),
+            method, target, version, self._headers,
+            parser.should_keep_alive() and not self._close,
             self._content_length, chunked, self._expect and version == "1.1"))
 
     def on_body(self, body: bytes) -> None:

@@ -17,7 +17,10 @@ SERVER = b"forkserve"
 
 # RFC 9110 §5.1 token characters for field names; values may not hold CR, LF or NUL.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
-_BAD_VALUE = re.compile(r"[\r\n\x00]|[^\x00-\xff]")  # CR, LF, NUL, or not latin-1
+# RFC 9110 §5.5: a field value is visible characters, obs-text, SP and HTAB: no other control
+# character (CR and LF would split the head; NUL, ESC or DEL are refused by strict clients,
+# and some proxies cut the field there). Latin-1 only, as PEP 3333 says.
+_BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]|[^\x00-\xff]")
 _STATUS = re.compile(r"[1-9][0-9]{2} [^\r\n\x00]*\Z")
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) belong to the server, not to a WSGI app (PEP 3333).
@@ -60,8 +63,8 @@ def check_header(name: object, value: object) -> None:
     if not _TOKEN.match(name):
         raise ValueError(f"invalid header name {name!r}")
     if _BAD_VALUE.search(value):
-        raise ValueError(f"invalid header value for {name!r}: CR, LF, NUL and text that is not "
-                         "latin-1 are not allowed")
+        raise ValueError(f"invalid header value for {name!r}: control characters (but HTAB) "
+                         "and text that is not latin-1 are not allowed")
 
 
 def parse_status(status: object) -> int:
@@ -99,12 +102,14 @@ def response_head(status: str, headers: Iterable[tuple[str, str]], fields: Itera
 
 
 def simple_response(status: int, reason: str, dates: DateCache, body: bytes | None = None,
-                    close: bool = True, extra: bytes = b"") -> bytes:
-    """A complete small response the server writes itself (errors: 400, 500, 503 ...)."""
+                    close: bool = True, extra: bytes = b"", head: bool = False) -> bytes:
+    """A complete small response the server writes itself (errors: 400, 500, 503 ...);
+    ``head``: the answer to a HEAD request, which has the same fields and no body (RFC 9110
+    §9.3.2: a client would read the body as the next response)."""
     if body is None:
         body = f"{status} {reason}\n".encode("latin-1")
     return response_head("%d %s" % (status, reason), (), (
         b"Date: ", dates.get(), b"\r\nServer: ", SERVER,
         b"\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n" % len(body),
         CONNECTION_CLOSE if close else b"",
-        extra), body)
+        extra), b"" if head else body)

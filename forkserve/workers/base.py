@@ -94,6 +94,7 @@ class WorkerSettings:
     app: str
     keepalive: float
     header_timeout: float
+    body_buffer: int
     timeout: float
     max_requests: int
     max_requests_jitter: int

@@ -381,9 +381,12 @@ class Connection:
                 raise ClientGone("the client closed the connection during the request body")
 
     def has_unread(self) -> bool:
-        """True when closing now could discard bytes the client sent (so linger first)."""
+        """True when closing now could discard bytes the client sent (so linger first): what
+        the parser holds beyond this request's end, or what the kernel holds that we have not
+        read (a request pipelined behind one that asked to close: closing on it would reset
+        the connection, and the client could lose the response it is reading)."""
         parser = self.parser
-        return parser.pending() != 1 or parser.peek_event() is not END
+        return parser.pending() != 1 or parser.peek_event() is not END or self.readable_now()
 
     def discard_body(self, request: Request) -> bool:
         """Drop what is left of the body; False when the connection cannot be reused."""

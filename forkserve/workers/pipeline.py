@@ -51,10 +51,6 @@ PROXY_LOG_INTERVAL = 10.0  # seconds between log lines about refused PROXY heade
 ACCEPT_BACKOFF = 0.1
 ACCEPT_LOG_INTERVAL = 10.0  # seconds between log lines about failing accepts
 EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-# Bytes of a request body gathered without waiting before the request is served (a larger body
-# streams to the app): the sync and thread workers read a request this far before they commit
-# the worker or a thread to it, so that a slow client never holds one (see Connection.gather).
-BODY_BUFFER = 65536
 RUNNING = WorkerState.RUNNING
 STOPPING = WorkerState.STOPPING
 CANCELLED = WorkerState.CANCELLED
@@ -258,7 +254,7 @@ class Pipeline(Worker):
         """``conn.gather()`` (sync and thread workers: is its request ready to serve?); None
         when it began with a refused PROXY header, and it is closed (no answer: not HTTP)."""
         try:
-            return conn.gather(BODY_BUFFER)
+            return conn.gather(self.settings.body_buffer)
         except ProxyProtocolError as exc:
             self._proxy_refused(str(exc))
             self.release(conn)
@@ -474,7 +470,8 @@ class Pipeline(Worker):
         """A request the server answers itself: it never reaches the application."""
         try:
             conn.send(simple_response(status, reason_phrase(status), self.dates,
-                                      body=f"{status} {reason}\n".encode("utf-8", "replace")))
+                                      body=f"{status} {reason}\n".encode("utf-8", "replace"),
+                                      head=conn.parser.refusing_head()))
         except ClientGone:
             return
         if self.metrics is not None:
@@ -606,7 +603,8 @@ class Pipeline(Worker):
             exchange.close = True  # the client sees a truncated response, never a wrong one
             return exchange.status_code
         try:
-            conn.send(simple_response(status, reason_phrase(status), self.dates))
+            conn.send(simple_response(status, reason_phrase(status), self.dates,
+                                      head=exchange.request.method == "HEAD"))
         except ClientGone:
             return status
         exchange.close = True

@@ -8,7 +8,7 @@ connection and serves the newcomer. So 50 keep-alive clients on 2 workers never 
 each other's idle timeout (uWSGI's http11-socket does make them wait).
 
 A sync worker commits itself to a connection only once its request is ready: the whole head,
-and the body or its first 64 KiB (``Connection.gather``, without waiting). A client that
+and the body or its first --body-buffer bytes (``Connection.gather``, without waiting). A client that
 connected and has not sent that yet waits among the worker's *pending* connections, watched by
 the same poll, each bounded by --header-timeout; so slow and silent clients (slowloris) cost
 a poll entry, not the worker. What a sync worker cannot escape by design: a request it serves

@@ -3,7 +3,7 @@
 Owns: the poll loop (main thread) and the hand-off of ready connections to the pool. Only the
 main thread changes a connection's place: it accepts, it watches idle keep-alive connections
 (they wait in the poller, never in a thread), it reads what their clients send without
-waiting until a request is ready (its whole head, and its body or the first 64 KiB of it), and
+waiting until a request is ready (its whole head, and its body or the first --body-buffer bytes of it), and
 then hands the connection to a pool thread, which serves the requests that are there and
 hands it back (or closes it). A whole response (the app returned one bytes object) that the
 client does not take at once is handed back too, and the poll loop writes out the rest. So N

@@ -118,6 +118,9 @@ def app(environ, start_response):
     if path == "/header-injection":
         start_response("200 OK", [("X-Evil", "a\r\nSet-Cookie: pwned=1")])
         return [b"nope"]
+    if path == "/header-control":
+        start_response("200 OK", [("X-Ctl", "a\x1bb")])  # ESC: a control character
+        return [b"nope"]
     if path == "/bad-header-name":
         start_response("200 OK", [("Bad Name", "x")])
         return [b"nope"]

@@ -12,7 +12,6 @@ per probe for the whole run (bounded in time), recording every answer or failure
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 from typing import Any
 

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from forkserve.workers.pipeline import KEEPALIVE_CLOSE_GRACE
-from tests.harness import ROOT, Gate, Server, read_response, send_get, wait_for
+from tests.harness import ROOT, Gate, read_response, send_get, wait_for
 from tests.load import closed_by_server
 
 CLASS_ARGS = {"sync": (), "thread": ("-k", "thread"), "gevent": ("-k", "gevent")}

@@ -470,10 +470,22 @@ def test_requests_at_the_limits_are_served(limited: tuple[Server, Path]) -> None
     assert app_calls(record) == ["GET /" + "a" * 150, "GET /", "GET /", "POST /echo", "POST /echo"]
 
 
-def test_chunked_body_over_the_limit_while_the_app_reads_it(limited: tuple[Server, Path]) -> None:
-    """A chunked body cannot be judged from its head: the app is called, then wsgi.input
-    raises and the client gets 413 (no response had started)."""
+def test_chunked_body_over_the_limit_before_the_app_is_called(limited: tuple[Server, Path]) -> None:
+    """A chunked body cannot be judged from its head, but one that outgrows the limit within
+    --body-buffer is refused before the app is ever called."""
     server, record = limited
+    with RawClient.connect(server.port) as client:
+        client.send(get("/echo", "Transfer-Encoding: chunked", method="POST"))
+        client.send(chunked_body(b"z" * 101))
+        assert_refused(client, 413)
+    assert app_calls(record) == []
+
+
+def test_chunked_body_over_the_limit_while_the_app_reads_it(server_factory: type[Server],
+                                                            tmp_path: Path) -> None:
+    """With --body-buffer 0 the app is called on the head alone: then wsgi.input raises and
+    the client gets 413 (no response had started)."""
+    server, record = start_recorded(server_factory, tmp_path, *LIMIT_ARGS, "--body-buffer", "0")
     with RawClient.connect(server.port) as client:
         client.send(get("/echo", "Transfer-Encoding: chunked", method="POST"))
         wait_for(lambda: app_calls(record) == ["POST /echo"], 5, "the app to be called")

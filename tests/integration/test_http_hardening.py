@@ -178,6 +178,9 @@ def test_options_asterisk_reaches_the_app_with_a_valid_environ(server: Server) -
 
 REFUSED = {
     "get-asterisk": (get("*"), 400),
+    "asterisk-and-a-path": (get("*/x"), 400),
+    "options-double-asterisk": (get("**", method="OPTIONS"), 400),
+    "options-asterisk-dot": (get("*.x", method="OPTIONS"), 400),
     "host-with-space": (b"GET / HTTP/1.1\r\nHost: a b\r\n\r\n", 400),
     "host-with-userinfo": (b"GET / HTTP/1.1\r\nHost: user@example.com\r\n\r\n", 400),
     "host-bad-port": (b"GET / HTTP/1.1\r\nHost: example.com:8o\r\n\r\n", 400),
@@ -225,3 +228,65 @@ def test_valid_host_forms_are_served(server: Server) -> None:
             response = client.read_response()
             assert response.status == 200, (host, response)
             assert json.loads(response.body)["HTTP_HOST"] == host
+
+
+# -- what the fuzzers found -------------------------------------------------------------------
+
+@pytest.fixture(params=WORKER_CLASSES)
+def basic(request: pytest.FixtureRequest, server_factory: type[Server]) -> Server:
+    """tests.apps.basic (its /raise, /block and /header-control routes)."""
+    return server_factory("-k", request.param).wait_ready()  # type: ignore[call-arg]
+
+
+HEAD_ANSWERS = {
+    "bad-host": (b"HEAD / HTTP/1.1\r\nHost: a b\r\n\r\n", 400),
+    "field-too-large": (get("/", "X-Big: " + "y" * 9000, method="HEAD"), 431),
+    "app-raised": (get("/raise", method="HEAD"), 500),
+    "control-character-in-a-response-field": (get("/header-control", method="HEAD"), 500),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HEAD_ANSWERS))
+def test_answers_to_head_have_no_body(basic: Server, case: str) -> None:
+    """RFC 9110 §9.3.2: a refusal or a 500 in answer to HEAD has the fields and no body (a
+    client would read the body as its next response)."""
+    data, status = HEAD_ANSWERS[case]
+    with RawClient.connect(basic.port) as client:
+        client.send(data)
+        response = client.read_response(method="HEAD")
+        assert response.status == status, response
+        assert response.has_token("Connection", "close")
+        client.assert_closed()
+
+
+def test_a_control_character_in_a_response_field_is_a_500(basic: Server) -> None:
+    """RFC 9110 §5.5: no control character but HTAB in a field value; the app's field never
+    reaches the client."""
+    with RawClient.connect(basic.port) as client:
+        client.send(get("/header-control"))
+        response = client.read_response()
+    assert response.status == 500, response
+    assert response.header("X-Ctl") is None
+
+
+def test_a_request_pipelined_behind_a_close_is_not_reset(basic: Server, gates) -> None:  # type: ignore[no-untyped-def]
+    """The first request asks to close; the second arrives while the app runs the first, so
+    the server has not read it when it closes. Closing on unread bytes sends RST, which can
+    cost the client the response it is reading: the server half-closes and drains instead,
+    and the client reads the whole answer, then a clean end."""
+    gate = gates()
+    with RawClient.connect(basic.port) as client:
+        client.send(get(gate.route, "Connection: close"))
+        gate.wait_entered()
+        client.send(get("/pid") * 4)
+        gate.release()
+        response = client.read_response()
+        assert response.status == 200, response
+        assert response.has_token("Connection", "close")
+        tail = client.buf
+        while True:
+            data = client.sock.recv(65536)  # a ConnectionResetError here is the bug
+            if not data:
+                break
+            tail += data
+        assert tail == b"", f"bytes after the last response: {tail!r}"

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import Server, get, wait_for
+from tests.harness import get, wait_for
 from tests.load import Load
 
 CLASSES = ["sync", "thread", "gevent"]

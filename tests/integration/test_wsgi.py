@@ -51,11 +51,15 @@ def test_body_lines_across_chunk_boundaries(server: Server) -> None:
 
 
 @pytest.mark.parametrize("framing", ["content-length", "chunked"])
-def test_body_is_streamed_to_the_app(recorded: tuple[Server, Path], framing: str) -> None:
+@pytest.mark.parametrize("worker_class", ["sync", "thread", "gevent"])
+def test_body_is_streamed_to_the_app(server_factory: type[Server], tmp_path: Path,
+                                     framing: str, worker_class: str) -> None:
     """The app echoes each line as it reads it: the client sends the second line only after
     it has the echo of the first, so a server that buffered the whole body first would hang
-    here (and the read would time out)."""
-    server, _ = recorded
+    here (and the read would time out). The sync and thread workers do buffer a small body
+    by default (--body-buffer): an app that needs this runs with --body-buffer 0."""
+    args = ("-k", worker_class) + (("--body-buffer", "0") if worker_class != "gevent" else ())
+    server, _ = start_recorded(server_factory, tmp_path, *args)
     first, second = b"line one\n", b"line two\n"
     with RawClient.connect(server.port, timeout=5) as client:
         if framing == "content-length":
@@ -121,13 +125,19 @@ def test_unread_body_is_discarded_before_the_next_request(recorded: tuple[Server
     assert app_calls(record) == [f"POST {path}", "GET /", "GET /pid"]
 
 
-def test_unread_body_still_arriving_after_the_response(recorded: tuple[Server, Path]) -> None:
-    server, record = recorded
+@pytest.mark.parametrize("worker_class", ["sync", "thread", "gevent"])
+def test_unread_body_still_arriving_after_the_response(server_factory: type[Server],
+                                                       tmp_path: Path, worker_class: str) -> None:
+    """The app answers without reading a body it got part of (--body-buffer 0: called on
+    the head); the rest, sent after the answer, is read and dropped, never parsed."""
+    server, record = start_recorded(server_factory, tmp_path, "-k", worker_class,
+                                    "--body-buffer", "0")
     body = b"x" * 1000 + SMUGGLED
+    sent = 100
     with RawClient.connect(server.port) as client:
-        client.send(post("/ignore-body", body)[:-len(body) + 100])
+        client.send(post("/ignore-body", body)[:-len(body) + sent])
         assert client.read_response().body == b"ignored"
-        client.send(body[100:] + get("/pid", close=True))
+        client.send(body[sent:] + get("/pid", close=True))
         assert client.read_response().body.isdigit()
         client.assert_closed()
     assert app_calls(record) == ["POST /ignore-body", "GET /pid"]
