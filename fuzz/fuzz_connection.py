@@ -21,7 +21,8 @@ Run it by hand from the repository's root::
 
 Corpus: ``fuzz/corpus/connection/``, seeded at each start from ``tests/http/corpus``;
 crashes: ``fuzz/artifacts/`` (neither is committed). The first two input bytes choose the
-limits and the read split (as in ``fuzz_parser.py``).
+limits and the read split (as in ``fuzz_parser.py``); ``FORKSERVE_FUZZ_TOLERATE`` works
+as it does there.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ with atheris.instrument_imports():
     import forkserve.workers.pipeline  # noqa: E402,F401
     import forkserve.wsgi  # noqa: E402,F401
 
-from fuzz_parser import LIMITS, pieces_of, seed_corpus  # noqa: E402
+from fuzz_parser import LIMITS, checked, pieces_of, seed_corpus  # noqa: E402
 from tests.apps.digest import app  # noqa: E402
 from tests.http.invariants import check_answers, expected_answers  # noqa: E402
 from tests.http.served import InProcess  # noqa: E402
@@ -70,7 +71,7 @@ def main(argv: list[str]) -> None:
         artifacts = ROOT / "fuzz" / "artifacts"
         artifacts.mkdir(exist_ok=True)
         args = [f"-artifact_prefix={artifacts}{os.sep}", "-max_len=4096", *args, str(corpus)]
-    atheris.Setup([argv[0], *args], test_one_input)
+    atheris.Setup([argv[0], *args], checked(test_one_input))
     atheris.Fuzz()
 
 

@@ -176,7 +176,9 @@ def check_request(request: Parsed, data: bytes, limits: Limits) -> None:
         if request.content_length is None:
             assert not lengths and request.body == b"", f"a body with no framing: {where}"
         else:
-            assert lengths == [str(request.content_length).encode()], where
+            # 1*DIGIT (RFC 9110 §8.6): leading zeros are allowed, the value is the same.
+            assert len(lengths) == 1 and re.fullmatch(rb"[0-9]+", lengths[0]), where
+            assert int(lengths[0]) == request.content_length, where
             assert len(request.body) == request.content_length, (
                 f"body of {len(request.body)} bytes, Content-Length {request.content_length}: {where}")
     if limits.body:
