@@ -7,8 +7,12 @@ or arbitrary bytes (``tests.http.strategies``), in random sends, then half-close
 until the server closes. What must hold (the oracle is ``tests.http.invariants``, fed the
 same bytes through ``RequestParser``):
 
-* every answer is a well-formed HTTP/1.1 response, then a clean close (FIN, never a reset,
-  never a stall: every read has a timeout);
+* every answer is a well-formed HTTP/1.1 response, then a clean close (FIN, never a
+  stall: every read has a timeout). A reset is allowed only after a whole response that
+  announced ``Connection: close``, when the client's later sends (pipelined behind it, in a
+  later segment) reach a socket the server has closed: a race no lingering close at the
+  server's side fully removes (the response is read whole; the in-process tests, where the
+  split is exact, hold the connection to no reset at all);
 * each request that was answered matches what was sent (its digest), in order; the server
   may close early only after announcing it; a request the parser refuses gets its status;
 * malformed input never reaches the app: the app's record of calls holds exactly the
@@ -69,28 +73,28 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         server.close()
 
 
-def converse(port: int, pieces: list[bytes]) -> bytes:
-    """Send ``pieces`` (one send each), half-close, and read until the server closes."""
+def converse(port: int, pieces: list[bytes]) -> tuple[bytes, bool]:
+    """Send ``pieces`` (one send each), half-close, and read until the server closes: what
+    it sent, and whether the end was a reset."""
     with socket.create_connection(("127.0.0.1", port), timeout=READ_TIMEOUT) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             for piece in pieces:
                 sock.sendall(piece)
             sock.shutdown(socket.SHUT_WR)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the server refused and closed early: what it answered is still to read
+        except OSError:  # (EPIPE, ECONNRESET, ENOTCONN)
+            pass  # the server refused or closed early: what it answered is still to read
         chunks = []
         while True:
             try:
                 data = sock.recv(65536)
             except ConnectionResetError:
-                raise AssertionError(f"the server reset the connection after "
-                                     f"{b''.join(chunks)[-300:]!r}") from None
+                return b"".join(chunks), True
             except socket.timeout:
                 raise AssertionError(f"the server neither answered nor closed within "
                                      f"{READ_TIMEOUT}s; so far {b''.join(chunks)[-300:]!r}") from None
             if not data:
-                return b"".join(chunks)
+                return b"".join(chunks), False
             chunks.append(data)
 
 
@@ -112,8 +116,10 @@ def test_every_answer_is_what_was_sent_or_a_refusal(served: Served, data: st.Dat
     raw, requests = data.draw(conversations())
     pieces = data.draw(splits(raw))
     before = len(served.calls())
-    answered = converse(served.server.port, pieces)
+    answered, reset = converse(served.server.port, pieces)
     got = check_answers(expected_answers(raw, Limits(), requests), answered)
+    assert not reset or (got and got[-1].closes() and len(pieces) > 1), (
+        f"reset, not after a whole response that announced the close: {raw!r}\n{answered[-300:]!r}")
     digests = [a.header("x-digest") for a in got if a.status == 200]
     assert served.calls()[before:] == digests, (
         f"the app saw other requests than those answered: {raw!r}\n{answered[:600]!r}")
