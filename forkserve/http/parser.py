@@ -35,6 +35,18 @@ What llhttp does not do for us, and where it matters:
 * It accepts runs of spaces between the parts of the request line, and has no option to
   refuse them; ``on_url`` limits the canonical line (one SP each side) exactly, the line
   measure limits any other.
+* It takes ``RTSP/1.x`` for ``HTTP/1.x`` in a request line (RFC 9112 §2.3 says HTTP-name is
+  "HTTP") and tells no one: httptools has no protocol callback, and finding the line in
+  what was read, whatever the read split, would mean keeping every read of a head. The
+  framing is HTTP/1.x's either way (llhttp parses both alike), so it opens no disagreement
+  on where a request ends; the app sees SERVER_PROTOCOL HTTP/1.x.
+* It gives no position for an error. A request whose method llhttp refuses is answered
+  501 if its first bytes are a token and a space (a method we do not implement), else 400;
+  for one pipelined behind another in the same read, its first bytes cannot be told apart
+  from the read's, and the answer is 400 or 501 by where the reads split. Likewise a line
+  or target over its limit is measured after each read, llhttp's byte errors inside one:
+  a request with both is refused 414 or 431 in one split, 400 in another. Each refuses it,
+  and the connection closes.
 """
 
 from __future__ import annotations
@@ -267,9 +279,21 @@ class RequestParser:
                 return True
         return False
 
-    def refusing_head(self) -> bool:
-        """Is the request being read (or the one refused) a HEAD? Its answer has no body."""
-        return bool(self._url_parts) and self._parser.get_method() == b"HEAD"
+    @property
+    def method_undecided(self) -> bool:
+        """llhttp refused the method, and whether it is a token (501) or not (400) shows
+        only in the next read (see _refuse_method)."""
+        return self._bad_method
+
+    def refusing_head(self, refused: bool = False) -> bool:
+        """Is the request being read a HEAD (its answer has no body)? ``refused``: llhttp or
+        a limit refused it (an HTTPError), which it does only once the method has matched
+        unless the method itself was refused; else (a timeout) the method is known once the
+        target began. Before that, llhttp's method is the previous request's."""
+        if not (self._in_head or self._in_body):
+            return False
+        known = not self._bad_method if refused else bool(self._url_parts)
+        return known and self._parser.get_method() == b"HEAD"
 
     def fail(self, error: HTTPError) -> None:
         """Refuse the request being read with ``error`` (raised by ``feed``), after those
@@ -510,6 +534,10 @@ class RequestParser:
         parts = self._url_parts
         target = parts[0] if len(parts) == 1 else b"".join(parts)
         method = parser.get_method().decode("ascii")
+        if method == "CONNECT":
+            # A tunnel, for proxies (RFC 9110 §9.3.6), in authority-form only (RFC 9112
+            # §3.2.3): an application server serves none ("CONNECT /" reached the app).
+            raise HTTPError(400, "CONNECT is for proxies")
         if target[:1] == b"*" and (target != b"*" or method != "OPTIONS"):
             # RFC 9112 §3.2.4: asterisk-form is a lone "*", and only for OPTIONS; "*/x" or
             # "*.x" is no form at all (it would reach the app as PATH_INFO "*/x").

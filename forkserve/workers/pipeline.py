@@ -31,7 +31,8 @@ from forkserve.http.response import DateCache, reason_phrase, simple_response
 from forkserve.proxy import TrustedProxies
 from forkserve.sockets import Listener, refusing_new_connections
 from forkserve.workers.base import Worker, WorkerState
-from forkserve.workers.connection import Abandoned, Connection, Timeout, linger_together
+from forkserve.workers.connection import (RECV_SIZE, Abandoned, Connection, Timeout,
+                                          linger_together)
 from forkserve.wsgi import (ClientGone, ErrorStream, Exchange, FileWrapper, HeaderKeys, Input,
                             base_environ, build_environ)
 
@@ -51,6 +52,10 @@ PROXY_LOG_INTERVAL = 10.0  # seconds between log lines about refused PROXY heade
 ACCEPT_BACKOFF = 0.1
 ACCEPT_LOG_INTERVAL = 10.0  # seconds between log lines about failing accepts
 EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+# A lingering close (Connection.close) drains what a client still sends for at most this long
+# and this much: a client that keeps sending is cut then.
+LINGER_TIME = 1.0
+LINGER_BYTES = 4 * RECV_SIZE
 RUNNING = WorkerState.RUNNING
 STOPPING = WorkerState.STOPPING
 CANCELLED = WorkerState.CANCELLED
@@ -91,6 +96,9 @@ class Pipeline(Worker):
         self.proxy_logged_at = -PROXY_LOG_INTERVAL
         # fd -> a connection whose response the loop writes out, how it ends then, deadline
         self.flushing: dict[int, tuple[Connection, Listener, Ending, float]] = {}
+        # fd -> a half-closed connection the loop drains before closing, its deadline, bytes
+        # dropped so far (see close_later)
+        self.lingering: dict[int, tuple[Connection, float, int]] = {}
         self.accept_resumes = 0.0  # monotonic time accepting resumes (see accept_paused_for)
         self.accept_failures = 0  # failed accepts since the last line about them
         self.accept_troubled = False  # accept() failed, and no line has said it works again
@@ -198,7 +206,11 @@ class Pipeline(Worker):
         if listener.sock.fileno() < 0:
             return None  # closed at the stop signal (see SyncWorker._on_graceful)
         if self.accept_resumes and time.monotonic() < self.accept_resumes:
-            return None
+            if self.state is RUNNING:
+                return None
+            # Stopping, the caller empties the queue and then closes the listener, which
+            # would reset whoever is still queued: wait out the pause (0.1 s) and try again.
+            time.sleep(max(self.accept_resumes - time.monotonic(), 0.0))
         try:
             accepted = listener.sock.accept()
         except (BlockingIOError, InterruptedError):
@@ -373,7 +385,58 @@ class Pipeline(Worker):
             return
         finally:
             if not handed:
-                self.release(conn, linger)
+                self.end_connection(conn, linger)
+
+    def end_connection(self, conn: Connection, linger: bool) -> None:
+        """``release``, where a lingering close is the loop's (``close_later``) when it can
+        be (sync and thread workers, plain sockets)."""
+        if linger and conn.defer_writes and not conn.closed:
+            self.close_later(conn)
+        else:
+            self.release(conn, linger)
+
+    # -- lingering closes the loop does (where ``defers_writes``) ----------------------------
+    def close_later(self, conn: Connection) -> None:
+        """A lingering close (see Connection.close) without waiting: half-closed now, so the
+        client sees the end of the response; the loop reads and drops what the client still
+        sends (``linger_more``) and closes at the client's end, after LINGER_BYTES, or after
+        LINGER_TIME. Done in place, it held a sync worker, a request thread or the thread
+        worker's poll loop for up to LINGER_TIME per connection."""
+        conn.end_output()
+        self.lingering[conn.fd] = (conn, time.monotonic() + LINGER_TIME, 0)
+        self.watch_readable(conn.fd, True)
+
+    def watch_readable(self, fd: int, on: bool) -> None:
+        """The loop's poll watches (or no longer watches) ``fd`` for POLLIN."""
+        raise NotImplementedError
+
+    def linger_more(self, fd: int) -> None:
+        """A lingering client sent more (or closed): drop it; close at its end or the cap."""
+        conn, deadline, dropped = self.lingering[fd]
+        sock = conn.sock
+        while True:
+            try:
+                data = sock.recv(RECV_SIZE)
+            except BlockingIOError:
+                self.lingering[fd] = (conn, deadline, dropped)
+                return
+            except OSError:
+                data = b""
+            dropped += len(data)
+            if not data or dropped >= LINGER_BYTES:
+                self._end_linger(fd)
+                return
+
+    def end_lingering(self, now: float | None = None) -> None:
+        """Close the lingering connections past their time at ``now``, or all of them."""
+        for fd, (_, deadline, _) in list(self.lingering.items()):
+            if now is None or now >= deadline:
+                self._end_linger(fd)
+
+    def _end_linger(self, fd: int) -> None:
+        conn = self.lingering.pop(fd)[0]
+        self.watch_readable(fd, False)
+        self.release(conn)
 
     # -- responses the loop writes out (where ``defers_writes``) ----------------------------
     def write_later(self, conn: Connection, listener: Listener, ending: Ending) -> None:
@@ -407,9 +470,20 @@ class Pipeline(Worker):
 
     def end_writes(self, now: float | None = None) -> None:
         """Close the flushing connections whose client stopped reading (past their time at
-        ``now``), or all of them (None: cut at the drain deadline)."""
-        for fd, (conn, _, _, deadline) in list(self.flushing.items()):
+        ``now``), or all of them (None: cut at the drain deadline). One past its time is
+        tried once first: a sync worker busy with a request saw no POLLOUT meanwhile, and a
+        client that read in that time has not stopped (the loop's next poll sees the rest)."""
+        for fd, (conn, listener, ending, deadline) in list(self.flushing.items()):
             if now is None or now >= deadline:
+                if now is not None and conn.unsent is not None:
+                    left = len(conn.unsent)
+                    try:
+                        if conn.write_unsent() or len(conn.unsent or b"") < left:
+                            self.flushing[fd] = (conn, listener, ending,
+                                                 now + self.settings.header_timeout)
+                            continue
+                    except ClientGone:
+                        pass
                 del self.flushing[fd]
                 self.watch_writable(fd, False)
                 self.release(conn)
@@ -428,7 +502,7 @@ class Pipeline(Worker):
                 # loop gathers heads), else from now.
                 request = conn.read_head((conn.head_began or time.monotonic()) + header_timeout)
             except HTTPError as exc:
-                self.refuse(conn, exc.status, exc.reason)
+                self.refuse(conn, exc.status, exc.reason, refused=True)
                 return Ending.LINGER
             except ProxyProtocolError as exc:
                 self._proxy_refused(str(exc))
@@ -466,12 +540,13 @@ class Pipeline(Worker):
                              refused=self.proxy_refused, worker=self.worker_id)
             self.proxy_refused, self.proxy_logged_at = 0, now
 
-    def refuse(self, conn: Connection, status: int, reason: str) -> None:
-        """A request the server answers itself: it never reaches the application."""
+    def refuse(self, conn: Connection, status: int, reason: str, refused: bool = False) -> None:
+        """A request the server answers itself: it never reaches the application.
+        ``refused``: the parser refused it (not a timeout or a stop)."""
         try:
             conn.send(simple_response(status, reason_phrase(status), self.dates,
                                       body=f"{status} {reason}\n".encode("utf-8", "replace"),
-                                      head=conn.parser.refusing_head()))
+                                      head=conn.parser.refusing_head(refused)))
         except ClientGone:
             return
         if self.metrics is not None:

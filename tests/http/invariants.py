@@ -71,6 +71,31 @@ class Outcome:
     requests: tuple[Parsed, ...]
     refusal: int | None
     pending: Parsed | None
+    # llhttp refused a method whose bytes, so far, are a token: 400 or 501 is decided by
+    # the next read (RequestParser.method_undecided); a refusal, still to come.
+    undecided: bool = False
+
+
+# Refusals whose status may depend on where the reads split, both refusing the same request
+# (see the parser's docstring: llhttp gives no error position). A line or target over its
+# limit is measured after each read (or each span of the target), llhttp's byte errors inside
+# the read: the first seen wins (400, 414 or 431). A method llhttp refuses is told apart (501 for a token, 400) by the request's
+# first bytes, which for one pipelined behind another in the same read are not known.
+SPLIT_DEPENDENT = (frozenset({400, 414, 431}), frozenset({400, 501}))
+
+
+def same_outcome(whole: Outcome, split: Outcome) -> bool:
+    """``split`` is ``whole`` read in other pieces: the same requests, and the same refusal
+    or one of the same request whose status depends on the split (SPLIT_DEPENDENT)."""
+    if whole == split:
+        return True
+    if whole.requests != split.requests or whole.pending != split.pending:
+        return False
+    pair = {whole.refusal, split.refusal}
+    if None in pair:  # one refused, the other is waiting to tell 400 from 501
+        refused = whole.refusal if split.refusal is None else split.refusal
+        return (whole.undecided or split.undecided) and refused in (400, 501)
+    return any(pair <= statuses for statuses in SPLIT_DEPENDENT)
 
 
 def parse(pieces: Sequence[bytes], limits: Limits) -> Outcome:
@@ -120,7 +145,7 @@ def parse(pieces: Sequence[bytes], limits: Limits) -> Outcome:
         assert head is None or not requests, f"a refused request's head kept: {events!r}"
         return Outcome(tuple(requests), refusal.status, None)
     pending = Parsed.of(head, b"".join(body)) if head is not None else None
-    return Outcome(tuple(requests), None, pending)
+    return Outcome(tuple(requests), None, pending, parser.method_undecided)
 
 
 def tokens(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> list[bytes]:
@@ -155,7 +180,8 @@ def check_request(request: Parsed, data: bytes, limits: Limits) -> None:
     # The request line as it was sent (llhttp takes runs of SP between its parts): the
     # protocol name too, not only the version digits. (Anything may come before it: the
     # body of the request before.)
-    line = (re.escape(method) + rb" +" + re.escape(target) + rb" +HTTP/"
+    # RTSP/: llhttp takes it for HTTP/ and says nothing (see the parser's docstring).
+    line = (re.escape(method) + rb" +" + re.escape(target) + rb" +(?:HTTP|RTSP)/"
             + re.escape(request.version.encode()) + rb"\r\n")
     assert re.search(line, data), f"no such request line in the input (HTTP-name?): {where}"
     assert len(method) + len(target) + 10 <= limits.request_line, f"request line over the limit: {where}"
@@ -214,6 +240,10 @@ class Expected:
     served: tuple[Parsed, ...]
     refusal: int | None
     head_refused: bool | None = None
+    # The input ends in a token character (where a request may begin): read apart from what came
+    # before, llhttp's refused method may be a method still arriving (RequestParser.
+    # method_undecided), and the server closes at the client's end without a 400 or 501.
+    may_wait: bool = False
 
 
 def expected_answers(data: bytes, limits: Limits,
@@ -238,7 +268,11 @@ def expected_answers(data: bytes, limits: Limits,
             if (len(before.requests) == index and before.refusal is None
                     and before.pending is None):
                 head_refused = requests[index].lstrip(b"\r\n").startswith(b"HEAD ")
-    return Expected(tuple(served), outcome.refusal, head_refused)
+    may_wait = outcome.refusal in (400, 501) and bool(_BARE_TOKEN_AT_END.search(data))
+    return Expected(tuple(served), outcome.refusal, head_refused, may_wait)
+
+
+_BARE_TOKEN_AT_END = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]\Z")  # (after a body, anything)
 
 
 @dataclass
@@ -372,10 +406,11 @@ def check_answers(expected: Expected, data: bytes) -> list[Answer]:
         else:
             refusal = answers.next("HEAD" if expected.head_refused else "GET")
         got.append(refusal)
-        assert refusal.status == expected.refusal, (
+        assert refusal.status == expected.refusal or any(
+            {refusal.status, expected.refusal} <= statuses for statuses in SPLIT_DEPENDENT), (
             f"refused with {refusal.status}, expected {expected.refusal}: {refusal.raw[:300]!r}")
         assert refusal.closes(), f"a refusal that does not announce the close: {refusal.raw!r}"
-    elif expected.refusal is not None:
+    elif expected.refusal is not None and not expected.may_wait:
         assert got and got[-1].closes(), (
             f"closed without the {expected.refusal} refusal: {data[-300:]!r}")
     assert answers.at_end(), (
