@@ -110,6 +110,17 @@ class AccessLog:
         with self._lock:
             self._write_out()
 
+    def flush_from_handler(self) -> None:
+        """``flush`` from a signal handler (a worker whose arbiter died): the thread it
+        interrupted may be inside ``flush`` holding the lock, so it waits for the lock only
+        briefly and leaves the lines unwritten rather than hang (a hung worker would keep the
+        port)."""
+        if self._lines and self._lock.acquire(timeout=0.2):
+            try:
+                self._write_out()
+            finally:
+                self._lock.release()
+
     def _write_out(self) -> None:
         # Swapped, not cleared: request threads may emit while this runs.
         lines, self._lines = self._lines, []

@@ -405,7 +405,7 @@ class Worker:
                          connections=self.counters.active_connections)
         try:
             if self.access_log is not None:
-                self.access_log.flush()
+                self.access_log.flush_from_handler()
             if self.span_log is not None:
                 self.span_log.flush()
         finally:

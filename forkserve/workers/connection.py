@@ -470,7 +470,7 @@ class Connection:
             except BlockingIOError:
                 self.unsent = view
                 return False
-            except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
+            except OSError as exc:  # reset, broken pipe, or an error the socket had pending
                 self.unsent = None
                 raise ClientGone(str(exc)) from None
             view = view[sent:]

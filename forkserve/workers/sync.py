@@ -88,6 +88,8 @@ class SyncWorker(Pipeline):
                 self._pause()
             elif self.listeners_changed:
                 self._forget_closed_listeners()
+            if self.lingering:
+                self.end_lingering(time.monotonic())
             if self.pending or self.flushing:
                 # Pending clients whose request came are served before anyone new: under a
                 # steady queue they would otherwise wait for a lull.
@@ -119,6 +121,8 @@ class SyncWorker(Pipeline):
                     # What else this poll saw may be stale now (a closed fd's number reused):
                     # the next poll reports it again.
                     return True
+            elif fd in self.lingering:
+                self.linger_more(fd)
             elif fd not in self.listener_fds:
                 self._wake(fd)
                 acted = True
@@ -126,9 +130,10 @@ class SyncWorker(Pipeline):
 
     def _until_due(self, timeout_ms: float) -> float:
         """``timeout_ms``, or less: until the first pending or flushing client's time is up."""
-        if self.pending or self.flushing:
+        if self.pending or self.flushing or self.lingering:
             due = min([deadline for _, _, deadline in self.pending.values()]
-                      + [flushing[3] for flushing in self.flushing.values()])
+                      + [flushing[3] for flushing in self.flushing.values()]
+                      + [lingering[1] for lingering in self.lingering.values()])
             timeout_ms = min(timeout_ms, max(due - time.monotonic(), 0.0) * 1000.0 + 1)
         return timeout_ms
 
@@ -179,6 +184,12 @@ class SyncWorker(Pipeline):
         else:
             self.main_poll.unregister(fd)
 
+    def watch_readable(self, fd: int, on: bool) -> None:  # (Pipeline.close_later)
+        if on:
+            self.main_poll.register(fd, POLLIN)
+        else:
+            self.main_poll.unregister(fd)
+
     def _write_out(self, fd: int) -> tuple[Connection, Listener] | None:
         """The client took more. Once all is out the connection ends, or waits pending for its
         next request (a kept-alive one), or is returned to be served at once (a pipelined
@@ -188,7 +199,7 @@ class SyncWorker(Pipeline):
             return None
         conn, listener, ending = done
         if ending is not Ending.IDLE:
-            self.release(conn, linger=ending is Ending.LINGER)
+            self.end_connection(conn, linger=ending is Ending.LINGER)
             return None
         if conn.events:
             return conn, listener
@@ -211,6 +222,15 @@ class SyncWorker(Pipeline):
         for fd, (conn, listener, deadline) in list(self.pending.items()):
             if now < deadline or fd not in self.pending:
                 continue
+            # The worker may have been busy with a request past this deadline, reading no
+            # one: what the client sent meanwhile counts (a whole request is served, more of
+            # one gets its time), as it would had the worker been waiting.
+            ready = self._gather(fd)
+            if ready is not None:
+                self._serve(*ready)
+                continue
+            if fd not in self.pending or self.pending[fd][2] > now:
+                continue  # refused (closed), or it sent more and has time again
             self._unpend(fd)
             if conn.received:
                 self.refuse(conn, 408, "Request Timeout")
@@ -227,7 +247,9 @@ class SyncWorker(Pipeline):
         for fd, (conn, listener, deadline) in list(self.pending.items()):
             if not conn.received:
                 self.pending[fd] = (conn, listener, min(deadline, stop_grace_end(conn, stop_began)))
-        while (self.pending or self.flushing) and self.state is WorkerState.STOPPING:
+        while ((self.pending or self.flushing or self.lingering)
+               and self.state is WorkerState.STOPPING):
+            self.end_lingering(time.monotonic())
             self._expire_pending()
             self.before_waiting()
             self._round(self._until_due(self.heartbeat_interval * 1000.0), listen=False)
@@ -237,11 +259,16 @@ class SyncWorker(Pipeline):
                 self.refuse(conn, 503, "Service Unavailable")
             self.release(conn)
         self.end_writes()  # responses still going out are cut at the deadline
+        self.end_lingering()
 
     def _poll_main(self, timeout_ms: float, listen: bool = True) -> list[tuple[int, int]]:
         """main_poll's wait, leaving the listeners out while the worker takes no one (full,
         out of descriptors, settling its pending clients at a stop): a queued client keeps
         them readable, which would make the wait a busy loop."""
+        if self.listeners_changed:
+            # Closed (by the TERM handler, or at a stop): a closed fd left in the poll is
+            # reported POLLNVAL at once, muted or not, and the wait would be a busy loop.
+            self._forget_closed_listeners()
         pause = self.accept_paused_for()
         if pause:
             timeout_ms = min(timeout_ms, pause * 1000.0 + 1)
@@ -271,6 +298,7 @@ class SyncWorker(Pipeline):
                     self._handle(*client, listener)
                     self._serve_taken()  # what _on_alarm took meanwhile
             listener.sock.close()
+            self.listeners_changed = True  # (_poll_main forgets it)
         if self.state is WorkerState.CANCELLED:
             self._turn_away_queue()  # the deadline passed meanwhile: what is left gets a 503
 
@@ -390,6 +418,8 @@ class SyncWorker(Pipeline):
                     newcomer = self._gather(fd)
                 elif fd in self.flushing:
                     newcomer = self._write_out(fd)
+                elif fd in self.lingering:
+                    self.linger_more(fd)
                 else:
                     self._wake(fd)
             self._expire_pending()

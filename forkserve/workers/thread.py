@@ -132,6 +132,8 @@ class ThreadWorker(Pipeline):
                 timeout = min(timeout, max(min(d for _, _, d in self.idle.values()) - now, 0))
             if self.flushing:
                 timeout = min(timeout, max(min(f[3] for f in self.flushing.values()) - now, 0))
+            if self.lingering:
+                timeout = min(timeout, max(min(g[1] for g in self.lingering.values()) - now, 0))
             if pause:
                 timeout = min(timeout, pause)
             for fd, _ in self.poller.poll(timeout * 1000.0 + 1):
@@ -145,11 +147,15 @@ class ThreadWorker(Pipeline):
                     self._gather(fd)
                 elif fd in self.flushing:
                     self._write_out(fd)
+                elif fd in self.lingering:
+                    self.linger_more(fd)
                 elif fd in self.listener_fds:
                     self._accept_into_pool(self.listener_fds[fd])
             self._expire_idle(time.monotonic())
             if self.flushing:
                 self.end_writes(time.monotonic())
+            if self.lingering:
+                self.end_lingering(time.monotonic())
 
     def _accept_into_pool(self, listener: Listener) -> None:
         while self.counters.active_connections < self.limit:
@@ -216,6 +222,7 @@ class ThreadWorker(Pipeline):
                 self.idle[fd] = (conn, listener, self.stop_deadline(conn, deadline))
         if state is WorkerState.CANCELLED:
             self.end_writes()  # responses still going out are cut at the deadline
+            self.end_lingering()
             for fd in list(self.idle):
                 conn = self.idle.pop(fd)[0]
                 self.poller.unregister(fd)
@@ -249,8 +256,10 @@ class ThreadWorker(Pipeline):
     def _after_response(self, conn: Connection, listener: Listener, ending: Ending) -> None:
         """A connection's response is all out: it ends, a pipelined request is served, or
         the loop watches it for the client's next request."""
-        if ending is not Ending.IDLE:
-            self._release(conn, linger=ending is Ending.LINGER)
+        if ending is Ending.LINGER:
+            self.end_connection(conn, linger=True)  # the loop drains it (close_later)
+        elif ending is not Ending.IDLE:
+            self._release(conn)
         elif conn.events:
             self.work.put((conn, listener))  # pipelined behind the response just written
         else:
@@ -263,6 +272,12 @@ class ThreadWorker(Pipeline):
     def watch_writable(self, fd: int, on: bool) -> None:  # (Pipeline.write_later)
         if on:
             self.poller.register(fd, POLLOUT)
+        else:
+            self.poller.unregister(fd)
+
+    def watch_readable(self, fd: int, on: bool) -> None:  # (Pipeline.close_later)
+        if on:
+            self.poller.register(fd, POLLIN)
         else:
             self.poller.unregister(fd)
 
@@ -324,9 +339,11 @@ class ThreadWorker(Pipeline):
             self.log.exception("Connection failed", exc, worker=self.worker_id)
             ending = Ending.CLOSE
         conn.owner = None
-        if ending is Ending.IDLE or conn.unsent is not None:
+        if ending is Ending.IDLE or conn.unsent is not None or (
+                ending is Ending.LINGER and conn.defer_writes):
             # Back to the main thread, which writes out what the client has not taken yet,
-            # and watches it (applying a stop's grace), or ends it.
+            # and watches it (applying a stop's grace), drains it before closing (a
+            # lingering close: no thread waits on the client), or ends it.
             self.back.put((conn, listener, ending))
             self._wake_main()
         else:
