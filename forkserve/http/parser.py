@@ -257,16 +257,18 @@ class RequestParser:
             return True
         return False
 
-    def request_ready(self, enough: int) -> bool:
+    def request_ready(self, enough: int, continued: bool = False) -> bool:
         """Is the request at the head of the queue ready to serve without waiting on its
         client: its head with its whole body or at least ``enough`` bytes of it, or a head
-        that waits for ``100 Continue``, or an error to answer? (The thread worker's poll loop
-        asks, so that a slow client never holds a request thread.)"""
+        that waits for ``100 Continue`` (unless ``continued``: the poller sent it, and gathers
+        the body), or an error to answer? (The sync and thread workers' poll loops ask, so
+        that a slow client never holds the worker or a request thread.)"""
         events = self._events
         if not events:
             return False
         head = events[0]
-        if type(head) is not Request or not head.has_body or head.expect_continue or not enough:
+        if (type(head) is not Request or not head.has_body or not enough
+                or (head.expect_continue and not continued)):
             return True
         got = 0
         queued = iter(events)

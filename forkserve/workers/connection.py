@@ -54,8 +54,8 @@ IDLE, AWAITING, HEAD, REQUEST, CLOSED = Phase
 
 class Connection:
     __slots__ = ("sock", "fd", "remote", "parser", "io_timeout", "exchange", "phase",
-                 "continue_sent", "_poll", "should_close", "released", "interrupt_fd",
-                 "interrupted", "served", "cutoff", "owner", "waiting", "idle_since",
+                 "continue_sent", "_continued", "_poll", "should_close", "released",
+                 "interrupt_fd", "interrupted", "served", "cutoff", "owner", "waiting", "idle_since",
                  "output_ended", "trusted", "peer", "_proxy", "_ssl", "_handshaking",
                  "_blocked_read", "_blocked_write", "_broken", "head_began", "_refusal",
                  "defer_writes", "unsent")
@@ -75,6 +75,7 @@ class Connection:
         self.phase = IDLE
         self.exchange: Exchange | None = None  # the request being served (phase REQUEST)
         self.continue_sent = False
+        self._continued = False  # gather() sent 100 Continue for the request it gathers
         self._poll: select.poll | None = None
         # Asked as a response head is written (wsgi.Exchange): close after this response?
         self.should_close = should_close or _never
@@ -279,7 +280,7 @@ class Connection:
             try:
                 data = self.sock.recv(RECV_SIZE)
             except self._blocked_read:
-                return parser.request_ready(enough)
+                return parser.request_ready(enough, self._continued)
             except OSError:  # reset, or (ssl.SSLError) a TLS record that does not decrypt
                 return True  # the thread sees it again and closes
             if not data:
@@ -287,10 +288,23 @@ class Connection:
             if self.phase is IDLE:
                 self.phase = AWAITING  # (as read_head would: the next request is coming)
             try:
-                if self._take(data) and parser.request_ready(enough):
-                    return True
+                if not self._take(data):
+                    continue
             except HTTPError as exc:
                 self._refusal = exc  # the thread's read_head raises it: a 4xx, as always
+                return True
+            if enough and not self._continued:
+                head = parser.peek_event()
+                if type(head) is Request and head.expect_continue and head.has_body:
+                    # The client waits for 100 Continue before it sends the body: sent here
+                    # (25 bytes into an empty send buffer), so its body is gathered like any
+                    # other, and a slow one holds no worker or thread either.
+                    try:
+                        self.sock.send(CONTINUE)
+                    except OSError:
+                        return True  # the thread sees it again and closes
+                    self._continued = True
+            if parser.request_ready(enough, self._continued):
                 return True
 
     def handshake(self, deadline: float) -> bool:
@@ -359,7 +373,7 @@ class Connection:
         self.head_began = 0.0
         if type(head) is not Request:
             raise head  # type: ignore[misc]  # an HTTPError queued by RequestParser.fail
-        self.continue_sent = False
+        self.continue_sent, self._continued = self._continued, False
         return head
 
     def read_body(self) -> bytes:

@@ -243,11 +243,15 @@ def legitimate_latencies(port: int, seconds: float, every: float = 0.1) -> list[
 
 SLOW_HEAD = b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: "
 SLOW_BODY = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n"
+# The same, asking for 100 Continue first (which once got a worker or thread at the head).
+SLOW_EXPECT = (b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n"
+               b"Expect: 100-continue\r\n\r\n")
 
 
 @pytest.mark.parametrize("worker_class", WORKER_CLASSES)
-@pytest.mark.parametrize("opening, every", [(SLOW_HEAD, 0.5), (SLOW_BODY, 0.5), (b"", None)],
-                         ids=["slowloris-head", "slow-body", "silent"])
+@pytest.mark.parametrize("opening, every", [(SLOW_HEAD, 0.5), (SLOW_BODY, 0.5),
+                                            (SLOW_EXPECT, 0.5), (b"", None)],
+                         ids=["slowloris-head", "slow-body", "slow-body-expect", "silent"])
 def test_slow_and_silent_clients_do_not_hold_up_anyone(
         server_factory: Any, attackers: Any, worker_class: str, opening: bytes,
         every: float | None) -> None:

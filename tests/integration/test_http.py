@@ -249,7 +249,30 @@ def test_100_continue_is_sent_when_the_app_reads_the_body(server: Server, framin
         client.assert_closed()
 
 
-def test_no_100_continue_when_the_app_never_reads_the_body(server: Server) -> None:
+@pytest.fixture
+def app_decides(server_factory: type[Server]) -> Server:
+    """--body-buffer 0: the app is called on the head, and decides about 100 Continue."""
+    return server_factory("--body-buffer", "0").wait_ready()  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize("worker_class", ["sync", "thread"])
+def test_the_poller_sends_100_continue_and_gathers_the_body(server_factory: type[Server],
+                                                            worker_class: str) -> None:
+    """With --body-buffer (the default), the sync and thread workers gather a body before
+    the app is called, an Expect: 100-continue one too: the poller answers 100 itself, as
+    nginx does, so a client that then sends its body slowly holds no worker or thread."""
+    server = server_factory("-k", worker_class).wait_ready()  # type: ignore[call-arg]
+    with RawClient.connect(server.port) as client:
+        client.send(get("/echo", "Content-Length: 5", "Expect: 100-continue", method="POST"))
+        assert client.read_head().status == 100
+        client.send(b"hello")
+        response = client.read_response()
+        assert response.status == 200, response
+        assert response.body == b"hello"
+
+
+def test_no_100_continue_when_the_app_never_reads_the_body(app_decides: Server) -> None:
+    server = app_decides
     with RawClient.connect(server.port) as client:
         client.send(get("/ignore-body", "Content-Length: 5", "Expect: 100-continue", method="POST"))
         response = client.read_response()
@@ -259,9 +282,10 @@ def test_no_100_continue_when_the_app_never_reads_the_body(server: Server) -> No
         client.assert_closed()
 
 
-def test_final_response_without_reading_the_body_announces_the_close(server: Server) -> None:
+def test_final_response_without_reading_the_body_announces_the_close(app_decides: Server) -> None:
     """RFC 9110 §10.1.1: a server that answers before reading the body SHOULD say whether it
     will close; forkserve does close, so the response must carry ``Connection: close``."""
+    server = app_decides
     with RawClient.connect(server.port) as client:
         client.send(get("/ignore-body", "Content-Length: 5", "Expect: 100-continue", method="POST"))
         response = client.read_response()
