@@ -55,7 +55,8 @@ IDLE, AWAITING, HEAD, REQUEST, CLOSED = Phase
 class Connection:
     __slots__ = ("sock", "fd", "remote", "parser", "io_timeout", "exchange", "phase",
                  "continue_sent", "_continued", "_poll", "should_close", "released",
-                 "interrupt_fd", "interrupted", "served", "cutoff", "owner", "waiting", "idle_since",
+                 "interrupt_fd", "interrupted", "served", "cutoff", "owner", "waiting",
+                 "idle_since",
                  "output_ended", "trusted", "peer", "_proxy", "_ssl", "_handshaking",
                  "_blocked_read", "_blocked_write", "_broken", "head_began", "_refusal",
                  "defer_writes", "unsent")
@@ -473,6 +474,16 @@ class Connection:
             raise ClientGone(str(exc)) from None
         if sent < len(data):
             self.unsent = memoryview(data)[sent:]
+
+    def send_once(self, data: bytes) -> None:
+        """One send without waiting (a small answer from a poll loop); what does not fit in
+        the socket's buffer is dropped. Raises ClientGone."""
+        try:
+            self.sock.send(data)
+        except self._blocked_write:
+            return
+        except OSError as exc:
+            raise ClientGone(str(exc)) from None
 
     def write_unsent(self) -> bool:
         """Send what the client takes of ``unsent`` without waiting; True once all is sent.

@@ -271,6 +271,10 @@ class Pipeline(Worker):
             self._proxy_refused(str(exc))
             self.release(conn)
             return None
+        except Exception as exc:  # a bug of ours must cost one connection, not the worker
+            self.log.exception("Reading a request failed", exc, worker=self.worker_id)
+            self.release(conn)
+            return None
 
     def gathered_until(self, conn: Connection, deadline: float) -> float:
         """After a ``gather()`` that left ``conn``'s request unready: until when its client
@@ -540,11 +544,15 @@ class Pipeline(Worker):
                              refused=self.proxy_refused, worker=self.worker_id)
             self.proxy_refused, self.proxy_logged_at = 0, now
 
-    def refuse(self, conn: Connection, status: int, reason: str, refused: bool = False) -> None:
+    def refuse(self, conn: Connection, status: int, reason: str, refused: bool = False,
+               wait: bool = True) -> None:
         """A request the server answers itself: it never reaches the application.
-        ``refused``: the parser refused it (not a timeout or a stop)."""
+        ``refused``: the parser refused it (not a timeout or a stop). ``wait=False`` (a poll
+        loop's 408 or 503, which must wait on no client): one try, what the client's window
+        does not take is dropped (the connection closes next)."""
+        send = conn.send if wait else conn.send_once
         try:
-            conn.send(simple_response(status, reason_phrase(status), self.dates,
+            send(simple_response(status, reason_phrase(status), self.dates,
                                       body=f"{status} {reason}\n".encode("utf-8", "replace"),
                                       head=conn.parser.refusing_head(refused)))
         except ClientGone:

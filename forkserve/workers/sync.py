@@ -8,8 +8,9 @@ connection and serves the newcomer. So 50 keep-alive clients on 2 workers never 
 each other's idle timeout (uWSGI's http11-socket does make them wait).
 
 A sync worker commits itself to a connection only once its request is ready: the whole head,
-and the body or its first --body-buffer bytes (``Connection.gather``, without waiting). A client that
-connected and has not sent that yet waits among the worker's *pending* connections, watched by
+and the body or its first --body-buffer bytes (``Connection.gather``, without waiting). A
+client that connected and has not sent that yet waits among the worker's *pending* connections,
+watched by
 the same poll, each bounded by --header-timeout; so slow and silent clients (slowloris) cost
 a poll entry, not the worker. What a sync worker cannot escape by design: a request it serves
 holds it to the end, a client that reads its response slowly included (a buffering proxy in
@@ -233,7 +234,7 @@ class SyncWorker(Pipeline):
                 continue  # refused (closed), or it sent more and has time again
             self._unpend(fd)
             if conn.received:
-                self.refuse(conn, 408, "Request Timeout")
+                self.refuse(conn, 408, "Request Timeout", wait=False)
             elif self.state is WorkerState.STOPPING and conn.readable_now():
                 self._serve(conn, listener)
                 continue
@@ -256,7 +257,7 @@ class SyncWorker(Pipeline):
         for fd, (conn, _, _) in list(self.pending.items()):
             self._unpend(fd)
             if conn.received and self.state is WorkerState.CANCELLED:
-                self.refuse(conn, 503, "Service Unavailable")
+                self.refuse(conn, 503, "Service Unavailable", wait=False)
             self.release(conn)
         self.end_writes()  # responses still going out are cut at the deadline
         self.end_lingering()

@@ -3,8 +3,8 @@
 Owns: the poll loop (main thread) and the hand-off of ready connections to the pool. Only the
 main thread changes a connection's place: it accepts, it watches idle keep-alive connections
 (they wait in the poller, never in a thread), it reads what their clients send without
-waiting until a request is ready (its whole head, and its body or the first --body-buffer bytes of it), and
-then hands the connection to a pool thread, which serves the requests that are there and
+waiting until a request is ready (its whole head, and its body or the first --body-buffer
+bytes of it; it answers 100 Continue itself), and then hands the connection to a pool thread, which serves the requests that are there and
 hands it back (or closes it). A whole response (the app returned one bytes object) that the
 client does not take at once is handed back too, and the poll loop writes out the rest. So N
 threads serve N requests at once while any number of idle, silent or slow clients (slowloris:
@@ -227,7 +227,8 @@ class ThreadWorker(Pipeline):
                 conn = self.idle.pop(fd)[0]
                 self.poller.unregister(fd)
                 if conn.received:
-                    self.refuse(conn, 503, "Service Unavailable")  # it began: never unanswered
+                    # It began: never unanswered.
+                    self.refuse(conn, 503, "Service Unavailable", wait=False)
                 self._release(conn)
 
     def stop_deadline(self, conn: Connection, deadline: float) -> float:
@@ -294,7 +295,7 @@ class ThreadWorker(Pipeline):
                 if conn.received:
                     # A head (or small body) that did not come in time: answered here, it
                     # never reaches the app (nor a thread).
-                    self.refuse(conn, 408, "Request Timeout")
+                    self.refuse(conn, 408, "Request Timeout", wait=False)
                     self._release(conn)
                 elif self.state is WorkerState.STOPPING and conn.readable_now():
                     # Its request came just as the grace ended: answer it, never reset it.
