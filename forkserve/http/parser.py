@@ -31,7 +31,8 @@ What llhttp does not do for us, and where it matters:
 * It keeps no count of chunk-size lines, chunk extensions or trailer fields: the same line
   measure bounds the first two (RFC 9112 §7.1.1: "a server ought to limit the total length
   of chunk extensions"), and ``on_header`` counts trailer fields against the request's field
-  limits as it counts the head's.
+  limits as it counts the head's. (A chunk-size line is measured only where a read ends
+  inside it: one that arrives whole, in one read, is bounded by the read, 64 KiB.)
 * It accepts runs of spaces between the parts of the request line, and has no option to
   refuse them; ``on_url`` limits the canonical line (one SP each side) exactly, the line
   measure limits any other.
