@@ -27,7 +27,6 @@ as it does there.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -43,7 +42,8 @@ with atheris.instrument_imports():
     import forkserve.workers.pipeline  # noqa: E402,F401
     import forkserve.wsgi  # noqa: E402,F401
 
-from fuzz_parser import LIMITS, checked, pieces_of, seed_corpus  # noqa: E402
+import fuzz_parser  # noqa: E402
+from fuzz_parser import LIMITS, pieces_of  # noqa: E402
 from tests.apps.digest import app  # noqa: E402
 from tests.http.invariants import check_answers, expected_answers  # noqa: E402
 from tests.http.served import InProcess  # noqa: E402
@@ -63,17 +63,5 @@ def test_one_input(raw: bytes) -> None:
     check_answers(expected_answers(data, LIMITS[index]), answered)
 
 
-def main(argv: list[str]) -> None:
-    args = argv[1:]
-    if not [a for a in args if not a.startswith("-")]:  # a fuzzing run, not a replay
-        corpus = ROOT / "fuzz" / "corpus" / "connection"
-        seed_corpus(corpus)
-        artifacts = ROOT / "fuzz" / "artifacts"
-        artifacts.mkdir(exist_ok=True)
-        args = [f"-artifact_prefix={artifacts}{os.sep}", "-max_len=4096", *args, str(corpus)]
-    atheris.Setup([argv[0], *args], checked(test_one_input))
-    atheris.Fuzz()
-
-
 if __name__ == "__main__":
-    main(sys.argv)
+    fuzz_parser.main(sys.argv, "connection", test_one_input)

@@ -95,16 +95,18 @@ def seed_corpus(corpus: Path) -> None:
             target.write_bytes(b"\x00\x00" + case.read_bytes())
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], target: str = "parser",
+         one_input: Callable[[bytes], None] = test_one_input) -> None:
+    """Fuzz ``one_input`` (or replay the files given) with the corpus of ``target``."""
     args = argv[1:]
     inputs = [a for a in args if not a.startswith("-")]
     if not inputs:  # a fuzzing run, not a replay of given files
-        corpus = ROOT / "fuzz" / "corpus" / "parser"
+        corpus = ROOT / "fuzz" / "corpus" / target
         seed_corpus(corpus)
         artifacts = ROOT / "fuzz" / "artifacts"
         artifacts.mkdir(exist_ok=True)
         args = [f"-artifact_prefix={artifacts}{os.sep}", "-max_len=4096", *args, str(corpus)]
-    atheris.Setup([argv[0], *args], checked(test_one_input))
+    atheris.Setup([argv[0], *args], checked(one_input))
     atheris.Fuzz()
 
 

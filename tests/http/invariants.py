@@ -82,7 +82,8 @@ class Outcome:
 # limit is measured after each read (or each span of the target), llhttp's byte errors inside
 # the read: the first seen wins (400, 414 or 431). A method llhttp refuses is told apart (501 for a token, 400) by the request's
 # first bytes, which for one pipelined behind another in the same read are not known.
-SPLIT_DEPENDENT = (frozenset({400, 414, 431}), frozenset({400, 501}))
+# (Mixed, too: a line over its limit in one split, an unknown method, 501, in another.)
+SPLIT_DEPENDENT = (frozenset({400, 414, 431, 501}),)
 
 
 CHUNK_LINE = "Chunk size line too long"
