@@ -259,6 +259,9 @@ class Expected:
     # before, llhttp's refused method may be a method still arriving (RequestParser.
     # method_undecided), and the server closes at the client's end without a 400 or 501.
     may_wait: bool = False
+    # Read whole, the input ends inside a head llhttp has not judged yet (a field is judged
+    # when the next begins): read in pieces, a line over its limit is refused at once.
+    may_refuse: bool = False
 
 
 def expected_answers(data: bytes, limits: Limits,
@@ -284,7 +287,9 @@ def expected_answers(data: bytes, limits: Limits,
                     and before.pending is None):
                 head_refused = requests[index].lstrip(b"\r\n").startswith(b"HEAD ")
     may_wait = outcome.refusal in (400, 501) and bool(_BARE_TOKEN_AT_END.search(data))
-    return Expected(tuple(served), outcome.refusal, head_refused, may_wait)
+    may_refuse = outcome.refusal is None and outcome.pending is None and not data.endswith(
+        b"\r\n\r\n")
+    return Expected(tuple(served), outcome.refusal, head_refused, may_wait, may_refuse)
 
 
 _BARE_TOKEN_AT_END = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]\Z")  # (after a body, anything)
@@ -431,6 +436,9 @@ def check_answers(expected: Expected, data: bytes) -> list[Answer]:
     elif expected.refusal is not None and not expected.may_wait:
         assert got and got[-1].closes(), (
             f"closed without the {expected.refusal} refusal: {data[-300:]!r}")
+    if expected.may_refuse and not answers.at_end() and len(got) == len(expected.served):
+        late = answers.next("GET")  # a limit the pieces showed before the whole did
+        assert late.status in SPLIT_DEPENDENT[0] and late.closes(), late.raw[:300]
     if data.endswith(CONTINUE, answers.at) and answers.at + len(CONTINUE) == len(data):
         # The poller answered 100 Continue to a request whose body never came whole: the
         # client's end closes it, with no final response (nothing reached the app).
