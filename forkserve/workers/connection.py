@@ -25,6 +25,10 @@ if TYPE_CHECKING:
     from forkserve.wsgi import Exchange
 
 RECV_SIZE = 65536
+# A lingering close (Connection.close, Pipeline.close_later) drains what a client still sends
+# for at most this long and this much: a client that keeps sending is cut then.
+LINGER_TIME = 1.0
+LINGER_BYTES = 4 * RECV_SIZE
 # After a response, at most this much of a body the app did not read is read and dropped to
 # keep the connection; a larger rest costs less to the client as a reconnect.
 DISCARD_LIMIT = 65536
@@ -566,9 +570,9 @@ class Connection:
     def _linger(self) -> None:
         if not self.released:
             self.sock.shutdown(socket.SHUT_WR)
-        deadline = time.monotonic() + 1.0
+        deadline = time.monotonic() + LINGER_TIME
         dropped = 0
-        while dropped < 4 * RECV_SIZE:
+        while dropped < LINGER_BYTES:
             try:
                 data = self.sock.recv(RECV_SIZE)
             except BlockingIOError:

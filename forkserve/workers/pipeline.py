@@ -31,8 +31,8 @@ from forkserve.http.response import DateCache, reason_phrase, simple_response
 from forkserve.proxy import TrustedProxies
 from forkserve.sockets import Listener, refusing_new_connections
 from forkserve.workers.base import Worker, WorkerState
-from forkserve.workers.connection import (RECV_SIZE, Abandoned, Connection, Timeout,
-                                          linger_together)
+from forkserve.workers.connection import (LINGER_BYTES, LINGER_TIME, RECV_SIZE, Abandoned,
+                                          Connection, Timeout, linger_together)
 from forkserve.wsgi import (ClientGone, ErrorStream, Exchange, FileWrapper, HeaderKeys, Input,
                             base_environ, build_environ)
 
@@ -52,10 +52,6 @@ PROXY_LOG_INTERVAL = 10.0  # seconds between log lines about refused PROXY heade
 ACCEPT_BACKOFF = 0.1
 ACCEPT_LOG_INTERVAL = 10.0  # seconds between log lines about failing accepts
 EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-# A lingering close (Connection.close) drains what a client still sends for at most this long
-# and this much: a client that keeps sending is cut then.
-LINGER_TIME = 1.0
-LINGER_BYTES = 4 * RECV_SIZE
 RUNNING = WorkerState.RUNNING
 STOPPING = WorkerState.STOPPING
 CANCELLED = WorkerState.CANCELLED
