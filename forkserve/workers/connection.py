@@ -32,6 +32,9 @@ LINGER_BYTES = 4 * RECV_SIZE
 # After a response, at most this much of a body the app did not read is read and dropped to
 # keep the connection; a larger rest costs less to the client as a reconnect.
 DISCARD_LIMIT = 65536
+# A write that waits this long for its client to take more is a slow reader's: where the worker
+# parks such waits (Connection.park: the thread worker), the rest of the wait is parked.
+PARK_AFTER = 0.1
 
 
 class Timeout(Exception):
@@ -63,7 +66,7 @@ class Connection:
                  "idle_since",
                  "output_ended", "trusted", "peer", "_proxy", "_ssl", "_handshaking",
                  "_blocked_read", "_blocked_write", "_broken", "head_began", "_refusal",
-                 "defer_writes", "unsent")
+                 "defer_writes", "unsent", "park")
 
     def __init__(self, sock: socket.socket, remote: tuple[str, str], limits: Limits,
                  io_timeout: float, should_close: Callable[[], bool] | None = None,
@@ -101,6 +104,10 @@ class Connection:
         # send_last): plain sockets only (a TLS write must be retried by the same caller).
         self.defer_writes = defer_writes and not tls
         self.unsent: memoryview | None = None
+        # Called with True before, False after, a wait of a response's writer on a client
+        # that has not taken more for PARK_AFTER (the thread worker: a spare thread serves
+        # meanwhile; see ThreadWorker.park).
+        self.park: Callable[[bool], None] | None = None
         self.trusted = trusted  # the peer is a trusted proxy (see forkserve.proxy)
         self.peer: tuple[str, str] | None = None  # the balancer's address, once a PROXY header named the client
         # --proxy-protocol: what arrived so far while the first bytes may be a PROXY header
@@ -450,10 +457,7 @@ class Connection:
             try:
                 sent = self.sock.send(view)
             except self._blocked_write:
-                try:
-                    self._wait(select.POLLOUT, deadline)
-                except Timeout:
-                    raise ClientGone("the client stopped reading the response") from None
+                self._wait_writable(deadline)
                 deadline = time.monotonic() + self.io_timeout
                 continue
             except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
@@ -461,6 +465,29 @@ class Connection:
             except self._broken as exc:
                 raise ClientGone(str(exc)) from None
             view = view[sent:]
+
+    def _wait_writable(self, deadline: float) -> None:
+        """A response's writer waits for its client to take more, until ``deadline``
+        (ClientGone). Past PARK_AFTER the wait is a slow reader's: ``park`` is told."""
+        try:
+            park = self.park
+            if park is None:
+                self._wait(select.POLLOUT, deadline)
+                return
+            soon = time.monotonic() + PARK_AFTER
+            if soon < deadline:
+                try:
+                    self._wait(select.POLLOUT, soon)
+                    return
+                except Timeout:
+                    pass
+            park(True)
+            try:
+                self._wait(select.POLLOUT, deadline)
+            finally:
+                park(False)
+        except Timeout:
+            raise ClientGone("the client stopped reading the response") from None
 
     def send_last(self, data: bytes) -> None:
         """A whole response, nothing to follow it. Where the worker writes out the rest
@@ -515,10 +542,7 @@ class Connection:
             try:
                 sent = os.sendfile(self.fd, fileno, offset + total, count - total)
             except BlockingIOError:
-                try:
-                    self._wait(select.POLLOUT, deadline)
-                except Timeout:
-                    raise ClientGone("the client stopped reading the response") from None
+                self._wait_writable(deadline)
                 deadline = time.monotonic() + self.io_timeout
                 continue
             except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:

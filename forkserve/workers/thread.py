@@ -1,15 +1,19 @@
-"""The thread worker: a fixed pool of ``--threads`` request threads per worker process.
+"""The thread worker: a pool of ``--threads`` request threads per worker process (and spares
+standing in for threads parked on clients that do not read).
 
 Owns: the poll loop (main thread) and the hand-off of ready connections to the pool. Only the
 main thread changes a connection's place: it accepts, it watches idle keep-alive connections
 (they wait in the poller, never in a thread), it reads what their clients send without
 waiting until a request is ready (its whole head, and its body or the first --body-buffer
-bytes of it; it answers 100 Continue itself), and then hands the connection to a pool thread, which serves the requests that are there and
-hands it back (or closes it). A whole response (the app returned one bytes object) that the
-client does not take at once is handed back too, and the poll loop writes out the rest. So N
-threads serve N requests at once while any number of idle, silent or slow clients (slowloris:
-a header byte every few seconds; a client that stopped reading its response) cost a poll
-entry and their bytes, never a thread.
+bytes of it; it answers 100 Continue itself), and then hands the connection to a pool
+thread, which serves the requests that are there and hands it back (or closes it). A whole response (the app returned one bytes object) that the
+client does not take at once is handed back too, and the poll loop writes out the rest. A
+streamed response (an iterable, a file) cannot be: its app code runs as it is written. Its
+thread parks on a client that takes nothing for PARK_AFTER, and a spare thread takes its
+place until it comes back (see park). So N threads serve N requests at once while any number
+of idle, silent or slow clients (slowloris: a header byte every few seconds; a client that
+stopped reading its response) cost a poll entry and their bytes, or a parked thread, never
+one of the N.
 
 Cancellation at the drain deadline raises ``RequestCancelled`` asynchronously in each request's
 thread (``PyThreadState_SetAsyncExc``). Honestly: an asynchronous exception is only seen when
@@ -44,6 +48,9 @@ from forkserve.wsgi import ClientGone
 POLLIN = select.POLLIN
 POLLOUT = select.POLLOUT
 RUNNING = WorkerState.RUNNING
+# Spare threads at most, each standing in for a request thread parked on a client that does
+# not take its streamed response (see park): beyond them, a parked request holds its thread.
+SPARE_LIMIT = 64
 
 
 class ThreadWorker(Pipeline):
@@ -76,10 +83,11 @@ class ThreadWorker(Pipeline):
         self.back: queue.SimpleQueue[tuple[Connection, Listener, Ending]] = queue.SimpleQueue()
         self.back_r, self.back_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.signal_polls = threading.local()
-        self.pool_threads = [threading.Thread(target=self._run, name=f"forkserve-request-{i}",
-                                              daemon=True) for i in range(threads)]
-        for thread in self.pool_threads:
-            thread.start()
+        self.pool_lock = threading.Lock()  # pool_threads and parked, as threads park or retire
+        self.pool_threads: list[threading.Thread] = []
+        self.parked = 0  # request threads waiting on a client that does not read (see park)
+        for _ in range(threads):
+            self._spawn()
         self.idle: dict[int, tuple[Connection, Listener, float]] = {}  # fd -> conn, deadline
         self.poller = select.poll()
         self.listener_fds = {listener.fd: listener for listener in self.listeners}
@@ -93,10 +101,17 @@ class ThreadWorker(Pipeline):
         finally:
             for listener in self.listeners:
                 listener.sock.close()
-            for _ in self.pool_threads:
+            with self.pool_lock:
+                threads_left = list(self.pool_threads)
+            for _ in threads_left:
                 self.work.put(None)
-            for thread in self.pool_threads:
+            for thread in threads_left:
                 thread.join(self.settings.cancel_grace)
+
+    def open_connection(self, sock: Any, addr: Any) -> Connection:
+        conn = super().open_connection(sock, addr)
+        conn.park = self.park
+        return conn
 
     # -- the main thread -------------------------------------------------------------------
     def _listen(self, on: bool) -> None:
@@ -314,6 +329,42 @@ class ThreadWorker(Pipeline):
             return  # the pipe is full: the loop has wake-ups pending already
 
     # -- pool threads ------------------------------------------------------------------------
+    def _spawn(self) -> None:
+        """One more pool thread (at the start, or a spare: see park). Under pool_lock but at
+        the start."""
+        thread = threading.Thread(target=self._run, daemon=True,
+                                  name=f"forkserve-request-{len(self.pool_threads)}")
+        self.pool_threads.append(thread)
+        thread.start()
+
+    def park(self, on: bool) -> None:
+        """-- runs in a pool thread. Its request's response waits on a client that has not
+        taken more for PARK_AFTER (it reads slowly, or not at all: a streamed or file
+        response, which the poll loop cannot write out without running app code). The
+        thread waits on (its generator stays in its own thread: thread-bound state such as a
+        database connection stays valid), bounded by --header-timeout between the client's
+        reads; meanwhile a spare thread takes its place, so --threads threads still serve
+        the other clients. The surplus retires when the parked request ends (_retire)."""
+        with self.pool_lock:
+            if on:
+                self.parked += 1
+                if (len(self.pool_threads) - self.parked < self.settings.threads
+                        and len(self.pool_threads) < self.settings.threads + SPARE_LIMIT):
+                    self._spawn()
+            else:
+                self.parked -= 1
+
+    def _retire(self) -> bool:
+        """-- runs in a pool thread, between connections: True when this thread is a surplus
+        (a parked request it stood in for has ended) and leaves the pool."""
+        if len(self.pool_threads) - self.parked <= self.settings.threads:
+            return False
+        with self.pool_lock:
+            if len(self.pool_threads) - self.parked <= self.settings.threads:
+                return False
+            self.pool_threads.remove(threading.current_thread())
+        return True
+
     def _run(self) -> None:
         while True:
             item = None
@@ -328,6 +379,8 @@ class ThreadWorker(Pipeline):
                 # same (the deadline passed: nothing more is served), keep the thread.
                 if item is not None and not item[0].closed:
                     self._release(item[0])
+            if self._retire():
+                return
 
     def _run_connection(self, conn: Connection, listener: Listener) -> None:
         """Serve a connection whose client sent something; hand it back or end it."""

@@ -100,6 +100,12 @@ def app(environ, start_response):
     if path == "/big":
         size = int(q.get("size", "1000000"))
         return _text(start_response, "200 OK", b"x" * size)
+    if path == "/big-stream":
+        # The same body streamed: a generator of 64 KiB pieces (the same object each time).
+        size = int(q.get("size", "1000000"))
+        piece = b"x" * 65536
+        start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", str(size))])
+        return (piece[:min(65536, size - at)] for at in range(0, size, 65536))
     # -- misbehaving apps -----------------------------------------------------------------
     if path == "/raise":
         raise RuntimeError("the app failed on purpose")
