@@ -59,10 +59,21 @@ def no_leaked_fds() -> Iterator[None]:
         assert not leaked(), f"descriptors left open by the test: {leaked()}"
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Each phase's report on its item (``item.failed_phase``), for fixtures' teardowns."""
+    report = yield
+    if report.failed:
+        item.failed_phase = report.when  # type: ignore[attr-defined]
+    return report
+
+
 @pytest.fixture
-def server_factory() -> Iterator[type[Server]]:
+def server_factory(request: pytest.FixtureRequest) -> Iterator[type[Server]]:
     """``server_factory(*args, app=..., env=...)`` starts a server; every one is killed and
-    checked for orphans at teardown."""
+    checked for orphans at teardown. When the test failed, each server's log is printed (the
+    report's "Captured stdout teardown"): a failure on a loaded CI machine shows what the
+    server saw."""
     started: list[Server] = []
 
     def start(*args: str, **kwargs: object) -> Server:
@@ -73,6 +84,10 @@ def server_factory() -> Iterator[type[Server]]:
     yield start  # type: ignore[misc]
     for server in started:
         server.close()
+    if getattr(request.node, "failed_phase", None) is not None:
+        for n, server in enumerate(started):
+            text = server.log_text()
+            print(f"--- server {n} log ({len(text)} chars; the last 30000) ---\n{text[-30000:]}")
 
 
 @pytest.fixture

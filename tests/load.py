@@ -72,7 +72,9 @@ class Load:
                     response = get(self.port, self.path, timeout=self.timeout)
             except Exception as exc:  # noqa: BLE001 - every failure is recorded, none hidden
                 self._close()
-                self._fail(failure_kind(exc), repr(exc))
+                wall = time.time() - (time.monotonic() - began)  # to match the server's log
+                self._fail(failure_kind(exc),
+                           f"began {began - self.started_at:.3f}s (at {wall:.3f}): {exc!r}")
                 continue
             if response.status == 200:
                 with self._lock:
