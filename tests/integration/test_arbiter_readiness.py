@@ -65,11 +65,15 @@ def test_readyz_is_200_through_hups_and_usr2s_and_503_at_term(server_factory: An
     assert reloading > 0, "no probe landed during a reload: the test proves nothing"
     assert server.count_log("Upgrade: re-executing") == 3
 
-    # Going away: 503 from the TERM on (a request held in flight keeps the drain going).
+    # Going away: 503 from the TERM on (a request held in flight keeps the drain going). The
+    # load stops first: a sync worker serves one request at a time, and a load client it had
+    # accepted just before the held request, whose own request came a moment after its
+    # handshake (on a loaded machine, tens of ms), waits behind the held one (README:
+    # Security); stopping the load with the gate shut would wait out that client's timeout.
+    load.stop()
     gate = gates()
     with send_get(server.port, gate.route) as held:
         gate.wait_entered()
-        load.stop()
         server.signal(signal.SIGTERM)
         server.wait_log("Received shutdown signal")
         status, body = readyz(port)
