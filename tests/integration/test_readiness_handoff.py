@@ -220,13 +220,23 @@ def test_readyz_is_200_on_every_probe_through_sf_handoffs(server_factory: Any, c
 
 # -- behind a real HAProxy ------------------------------------------------------------------------
 
+def hups(server: Server, loads: Loads) -> None:
+    for n in range(1, TIMES + 1):
+        old = worker_set(server, 2, 20)
+        server.signal(signal.SIGHUP)
+        wait_for(lambda: server.count_log("Reload complete") >= n, 40,
+                 lambda: f"reload {n}\n{server.log_text()}")
+        wait_for(lambda: not set(server.workers()) & old, 30, "the old workers to go")
+        loads.wait_requests(20)
+
+
 @pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed")
-@pytest.mark.parametrize("event", ["usr2", "takeover"])
+@pytest.mark.parametrize("event", ["hup", "usr2", "takeover"])
 @pytest.mark.parametrize("worker_class", WORKER_CLASSES)
 def test_haproxy_never_runs_out_of_servers(server_factory: Any, ctl_dir: Path,
                                            worker_class: str, event: str) -> None:
     """HAProxy as bench/lifecycle.py runs it (backend keep-alive, /readyz on the status port
-    every 100 ms, fall 2, no retry-on) in front of one instance: 3 USR2s or 3 ``-sf
+    every 100 ms, fall 2, no retry-on) in front of one instance: 3 HUPs, 3 USR2s or 3 ``-sf
     --takeover`` handoffs under keep-alive and new-connection load through it, and not one
     503 "No server is available" (nor any other failure)."""
     from bench.lifecycle_servers import Procs
@@ -239,7 +249,9 @@ def test_haproxy_never_runs_out_of_servers(server_factory: Any, ctl_dir: Path,
         front = procs.haproxy(first.port, first.status_port)
         with Loads(front) as loads:
             loads.wait_requests(50)
-            if event == "usr2":
+            if event == "hup":
+                hups(first, loads)
+            elif event == "usr2":
                 usr2s(first, None, loads)
             else:
                 handoffs(server_factory, first, worker_class, None, loads, ctl_dir, "takeover",
