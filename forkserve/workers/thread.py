@@ -105,8 +105,10 @@ class ThreadWorker(Pipeline):
                 threads_left = list(self.pool_threads)
             for _ in threads_left:
                 self.work.put(None)
+            # One deadline for all (spares included), not a grace per thread.
+            deadline = time.monotonic() + self.settings.cancel_grace
             for thread in threads_left:
-                thread.join(self.settings.cancel_grace)
+                thread.join(max(deadline - time.monotonic(), 0.0))
 
     def open_connection(self, sock: Any, addr: Any) -> Connection:
         conn = super().open_connection(sock, addr)
