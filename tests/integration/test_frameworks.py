@@ -42,12 +42,18 @@ UPLOAD_SIZE = 3 * 1024 * 1024  # past Django's FILE_UPLOAD_MAX_MEMORY_SIZE: spoo
 WARNING_LINE = re.compile(r"\b\w*Warning: ")  # how the warnings module prints one
 
 
+def django_env(static_root: Path) -> dict[str, str]:
+    """The example's settings (whatever the environment running the tests may have set) and
+    where its static files were collected."""
+    return {"DJANGO_SETTINGS_MODULE": "mysite.settings", "DJANGO_STATIC_ROOT": str(static_root)}
+
+
 @pytest.fixture(scope="module")
 def static_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``manage.py collectstatic`` into a temporary STATIC_ROOT, with warnings as errors."""
     root = tmp_path_factory.mktemp("django-static")
     done = subprocess.run([sys.executable, "-W", "error", "manage.py", "collectstatic", "--noinput"],
-                          cwd=ROOT / DJANGO_DIR, env={**os.environ, "DJANGO_STATIC_ROOT": str(root)},
+                          cwd=ROOT / DJANGO_DIR, env={**os.environ, **django_env(root)},
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert (root / "staticfiles.json").exists(), done.stdout
@@ -112,10 +118,6 @@ def test_flask_json_form_and_upload(served: Callable[..., Server], worker_class:
 
 
 # -- Django -----------------------------------------------------------------------------------
-
-def django_env(static_root: Path) -> dict[str, str]:
-    return {"DJANGO_STATIC_ROOT": str(static_root)}
-
 
 def csrf_form(client: requests.Session, url: str) -> tuple[str, dict[str, str], str]:
     """GET the form: its csrfmiddlewaretoken, the csrftoken cookie Django set (also kept in
