@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+import requests
 import yaml
 
-from tests.harness import (DEFAULT_TIMEOUT, ROOT, Server, read_response, refused, wait_for)
+from tests.harness import DEFAULT_TIMEOUT, ROOT, Server, children, read_response, refused, wait_for
 
 CONTRIB = ROOT / "contrib"
 DOCKERFILE = CONTRIB / "docker" / "Dockerfile"
@@ -161,8 +162,10 @@ def test_dockerfile_structure() -> None:
     # The HEALTHCHECK asks the status server the CMD starts for /healthz.
     status = option(cmd, "--status-bind")
     assert status is not None, cmd
+    host, port = status.rsplit(":", 1)
+    assert host in ("127.0.0.1", "0.0.0.0"), status  # both reachable as loopback inside
     probe = " ".join(healthcheck_cmd())
-    assert f"http://{status}/healthz" in probe.replace("127.0.0.1", status.rsplit(":", 1)[0]), probe
+    assert f"http://127.0.0.1:{port}/healthz" in probe, probe
     assert names.index("USER") < names.index("CMD")
 
 
@@ -242,7 +245,6 @@ def host_pid(namespace: str, inner: int) -> int | None:
 
 
 def zombies_of(pid: int) -> list[int]:
-    from tests.harness import children
     return [c for c in children(pid) if proc_status(c).get("State", "").startswith("Z")]
 
 
@@ -269,8 +271,6 @@ def pid1_servers() -> Iterator[list[NamespacedServer]]:
 
 
 def held_get(url: str, result: dict[str, Any]) -> threading.Thread:
-    import requests
-
     def run() -> None:
         try:
             response = requests.get(url, timeout=DEFAULT_TIMEOUT)
@@ -315,7 +315,6 @@ def test_pid1_reaps_orphans_and_stops_within_the_grace_period(pid1_servers: list
 
     # An orphan: the app's shell exits, its background `cat` is reparented to PID 1...
     gate = gates("orphan")
-    import requests
     inner = int(requests.get(f"{server.url}/orphan?fifo={gate.path}", timeout=10).text)
     gate.wait_entered()  # the cat has the FIFO open: it runs
     orphan = host_pid(namespace, inner)
