@@ -10,7 +10,6 @@ to be caught in the middle of its work at the TERM, the test holds that work (th
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import threading
