@@ -259,15 +259,17 @@ def test_background_tasks_never_started_are_reported_by_name(
     # Emails that take a minute against a drain of one second, one background thread: at the
     # deadline one email is being sent (or none yet, on a slow machine) and the rest are queued.
     server = serve(server_factory, "background", worker_class, "--background-threads", "1",
-                   "--drain-timeout", "1", "--cancel-grace", "1",
+                   "--drain-timeout", "1", "--cancel-grace", "2",
                    env={"OUTBOX": str(outbox), "SEND_SECONDS": "60"})
     signups(server, [f"user{n}@example.com" for n in range(3)])
     server.signal(signal.SIGTERM)
     assert server.wait_log(DRAINING)["background_tasks"] == 3
     assert server.wait_exit(20) == 0
     unstarted = [r for r in server.records() if r.get("message") == UNSTARTED]
+    # The running one is logged too, unless the arbiter's kill at the end of the cancel grace
+    # came first (the worker gives a running task three quarters of it): not counted on.
     running = [r for r in server.records() if r.get("message") == STILL_RUNNING]
-    assert len(unstarted) >= 2 and len(unstarted) + len(running) == 3, server.log_text()
+    assert len(unstarted) >= 2 and len(unstarted) + len(running) <= 3, server.log_text()
     for record in unstarted + running:
         assert record["level"] == "WARNING" and record["task"] == "send_welcome_email", record
     assert not outbox.exists(), "an email was sent after the shutdown"
