@@ -271,17 +271,38 @@ def _callables(module: ModuleType) -> list[str]:
     argument as ``create_app()``, others as ``make(...)``. Classes, modules and what the
     module imported (a function defined elsewhere) are left out."""
     found: list[str] = []
+    assigned = _assigned_names(module)
     for key, value in vars(module).items():
         if key.startswith("_") or isinstance(value, (type, ModuleType)) or not callable(value):
             continue
         if inspect.isroutine(value):
-            if getattr(value, "__module__", None) != module.__name__:
-                continue
-            found.append(key + _call_spelling(value))
-        else:
-            found.append(key)  # an application object: Flask(...), get_wsgi_application()
+            if getattr(value, "__module__", None) == module.__name__:
+                found.append(key + _call_spelling(value))
+        elif assigned is None or key in assigned:
+            # An application object: Flask(...), get_wsgi_application(); not an imported
+            # one (flask's request and g proxies are callable too).
+            found.append(key)
     first = [n for n in ("application", "app") if n in found]
     return first + [n for n in found if n not in first]
+
+
+def _assigned_names(module: ModuleType) -> set[str] | None:
+    """The names the module's own top-level code assigns (not those it imports), from its
+    source; None when it has none to read."""
+    try:
+        tree = ast.parse(inspect.getsource(module))
+    except (OSError, TypeError, SyntaxError, ValueError):
+        return None
+    names: set[str] = set()
+    pending: list[ast.AST] = list(tree.body)
+    while pending:  # the module's own scope: into if and try blocks, not into functions
+        node = pending.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        pending.extend(ast.iter_child_nodes(node))
+    return names
 
 
 def _call_spelling(function: Callable[..., Any]) -> str:
