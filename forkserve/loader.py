@@ -156,9 +156,12 @@ def load_app(spec: str, chdir: str | None = None) -> Callable[..., Any]:
     except ModuleNotFoundError as exc:
         if _is_the_lookup(exc, module_name):
             raise AppLoadError(_not_found(exc, module_name, here, chdir)) from exc
-        # A module the application imports (a dependency not installed here): its error.
-        raise AppLoadError(f"cannot import {module_name!r}: {_describe(exc)}; "
-                           f"not installed for {sys.executable}?") from exc
+        # A module the application imports was not found: its error, at its line. A package
+        # that is nowhere to be found is a dependency not installed for this interpreter
+        # (another virtualenv?); one of a package that is there (mysite.settings) is not.
+        top = (exc.name or "").partition(".")[0]
+        hint = "" if not top or top in sys.modules else f"; not installed for {sys.executable}?"
+        raise AppLoadError(f"cannot import {module_name!r}: {_describe(exc)}{hint}") from exc
     except Exception as exc:
         raise AppLoadError(f"cannot import {module_name!r}: {_describe(exc)}") from exc
     name, paren, _ = attr.partition("(")

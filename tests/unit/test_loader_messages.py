@@ -109,6 +109,13 @@ def test_a_missing_dependency_is_the_apps_error_not_a_module_not_found(project: 
         f"(needsdep.py:2); not installed for {sys.executable}?")
 
 
+def test_a_missing_module_of_a_package_that_is_there_is_not_an_install_hint(
+        project: Project) -> None:
+    project({"shop/__init__.py": "", "shop/wsgi.py": "import shop.nosettings\napp = 1\n"})
+    assert failure("shop.wsgi:app") == ("cannot import 'shop.wsgi': ModuleNotFoundError: No "
+                                        "module named 'shop.nosettings' (shop/wsgi.py:1)")
+
+
 def test_a_missing_module_of_the_apps_own_package_is_its_error(project: Project) -> None:
     project({"shop/__init__.py": "", "shop/web.py": "from shop import settings\napp = 1\n"})
     text = failure("shop.web:app")
