@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if check:
         try:
             with os_exit_reported(lambda text: log.error(f"Application could not be loaded: {text}")):
-                load_app(config.app)
+                load_app(config.app, config.chdir)
         except AppLoadError as exc:
             log.error(f"Application could not be loaded: {exc}")
             return ExitCode.APP_LOAD_ERROR
@@ -132,7 +132,7 @@ def _serve(config: Config, cli: dict[str, Any], args: list[str], start_cwd: str,
     if config.preload:
         try:
             with os_exit_reported(lambda text: log.error(f"Application could not be loaded: {text}")):
-                app = load_app(config.app)
+                app = load_app(config.app, config.chdir)
         except AppLoadError as exc:
             log.error(f"Application could not be loaded: {exc}")
             return ExitCode.APP_LOAD_ERROR

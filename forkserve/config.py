@@ -240,9 +240,48 @@ def _octal(value: Any) -> int:
 def _app(value: Any) -> str:
     text = _text(value).strip()
     module = text.partition(":")[0]
+    if _is_file_path(module):
+        return text  # refused by resolve(), which knows the --chdir to spell the module from
     if not module or not all(part.isidentifier() for part in module.split(".")):
         raise ValueError(f"expected MODULE:APP (e.g. myapp:wsgi), got {text!r}")
     return text
+
+
+def _is_file_path(module: str) -> bool:
+    """``mysite/wsgi.py``, ``./app.py``, ``app.py``: a file given where a module is expected
+    (a submodule named ``py`` is not worth the confusion)."""
+    return "/" in module or module.endswith(".py")
+
+
+def _module_spelling(spec: str, chdir: str | None) -> str:
+    """What to write instead of a file path: ``try --chdir mysite mysite.wsgi`` for
+    ``mysite/mysite/wsgi.py`` (the packages, directories with an ``__init__.py``, are part of
+    the module's name; the first directory above them is the one to import from)."""
+    module, colon, attr = spec.partition(":")
+    start = os.getcwd()
+    base = os.path.normpath(os.path.join(start, chdir)) if chdir else start
+    bare = module.rstrip("/")
+    bare = bare[:-3] if bare.endswith(".py") else bare
+    # Loaded from the --chdir directory; a path typed from where the server was started is
+    # understood too.
+    roots = [base, start] if base != start else [base]
+    full = next((p for p in (os.path.normpath(os.path.join(r, bare)) for r in roots)
+                 if os.path.isfile(p + ".py") or os.path.isdir(p)),
+                os.path.normpath(os.path.join(base, bare)))
+    directory, name = os.path.split(full)
+    if name == "__init__":  # mysite/__init__.py: the package itself
+        directory, name = os.path.split(directory)
+    parts = [name]
+    while os.path.isfile(os.path.join(directory, "__init__.py")):
+        directory, package = os.path.split(directory)
+        parts.insert(0, package)
+    dotted = ".".join(parts)
+    refused = f"{spec!r} is a file path, not a module"
+    if not all(part.isidentifier() for part in parts):
+        return f"{refused}, and {dotted!r} cannot be imported under that name"
+    where = "" if directory == base else (
+        f"--chdir {directory if os.path.isabs(module) else os.path.relpath(directory, start)} ")
+    return f"{refused}: try {where}{dotted}{colon}{attr}"
 
 
 @dataclass(frozen=True)
@@ -613,6 +652,10 @@ def resolve(cli: dict[str, Any], environ: dict[str, str] | os._Environ[str]) -> 
             _apply(values, sources, name, raw, "cli")
     if values["app"] is None:
         raise ConfigError("no application given: forkserve [options] MODULE:APP (see --help)")
+    if _is_file_path(values["app"].partition(":")[0]):
+        where = {"file": "in the config file, app", "env": BY_NAME["app"].env,
+                 "cli": "app"}[sources["app"]]
+        raise ConfigError(f"{where}: {_module_spelling(values['app'], values['chdir'])}")
     derived = _platform_defaults(values, sources, environ)
     if values["worker_class"] == "gevent" and importlib.util.find_spec("gevent") is None:
         raise ConfigError("-k gevent needs gevent: pip install 'forkserve[gevent]'")

@@ -92,6 +92,7 @@ class WorkerSettings:
     derived ones (``DERIVED``) is the setting of the same name (a test holds them to it)."""
 
     app: str
+    chdir: str | None  # named in a load error, and what a suggested --chdir is relative to
     keepalive: float
     header_timeout: float
     body_buffer: int
@@ -305,7 +306,7 @@ class Worker:
     def _boot(self) -> bool:
         if self.app is None:
             try:
-                self.app = load_app(self.settings.app)
+                self.app = load_app(self.settings.app, self.settings.chdir)
             except AppLoadError as exc:
                 self.counters.send(Kind.BOOT_ERROR, str(exc))
                 if self.log.enabled(10) and exc.__cause__ is not None:
