@@ -264,6 +264,24 @@ def haproxy_downs(tmp: Path, logs: list[Path]) -> list[str]:
     return notes
 
 
+def haproxy_head(global_lines: str = "") -> str:
+    """The global and defaults sections of every HAProxy config the tests and benches run
+    (see haproxy_config for why these timeouts)."""
+    return f"""\
+global
+    maxconn 4096
+{global_lines}
+defaults
+    mode http
+    timeout connect 2s
+    timeout client 30s
+    timeout server 30s
+    timeout http-keep-alive 30s
+    timeout check 1s
+
+"""
+
+
 def haproxy_config(front: int, backend: int, check: int, frontend: str = "",
                    server_options: str = "") -> str:
     """HAProxy as deployed in front of an app server: backend keep-alive (``http-reuse always``)
@@ -274,18 +292,7 @@ def haproxy_config(front: int, backend: int, check: int, frontend: str = "",
     check gets 1 s to be answered (``timeout check``: without it HAProxy would allow only the
     100 ms interval, and on a saturated machine, e.g. the matrix run once per class in parallel,
     the server is marked down for being scheduled late, not for saying it is not ready)."""
-    return f"""\
-global
-    maxconn 4096
-
-defaults
-    mode http
-    timeout connect 2s
-    timeout client 30s
-    timeout server 30s
-    timeout http-keep-alive 30s
-    timeout check 1s
-
+    return haproxy_head() + f"""\
 frontend fe
     bind 127.0.0.1:{front}
     default_backend be

@@ -86,12 +86,15 @@ def start(server_factory: Any, worker_class: str, *args: str, bind: str = "127.0
 
 # -- USR2 -----------------------------------------------------------------------------------------
 
-def usr2s(server: Server, prober: Prober | None, loads: Loads) -> None:
+def usr2s(server: Server, prober: Prober | None, loads: Loads,
+          signum: signal.Signals = signal.SIGUSR2) -> None:
+    """TIMES USR2 upgrades (or, with ``signum`` SIGHUP, reloads) under the loads."""
+    done = "Upgrade complete" if signum == signal.SIGUSR2 else "Reload complete"
     for n in range(1, TIMES + 1):
         old = worker_set(server, 2, 20)
-        server.signal(signal.SIGUSR2)
-        wait_for(lambda: server.count_log("Upgrade complete") >= n, 40,
-                 lambda: f"upgrade {n}\n{server.log_text()}")
+        server.signal(signum)
+        wait_for(lambda: server.count_log(done) >= n, 40,
+                 lambda: f"{signum.name} {n}\n{server.log_text()}")
         wait_for(lambda: not set(server.workers()) & old, 30, "the old workers to go")
         loads.wait_requests(20)
         if prober is not None:
@@ -220,16 +223,6 @@ def test_readyz_is_200_on_every_probe_through_sf_handoffs(server_factory: Any, c
 
 # -- behind a real HAProxy ------------------------------------------------------------------------
 
-def hups(server: Server, loads: Loads) -> None:
-    for n in range(1, TIMES + 1):
-        old = worker_set(server, 2, 20)
-        server.signal(signal.SIGHUP)
-        wait_for(lambda: server.count_log("Reload complete") >= n, 40,
-                 lambda: f"reload {n}\n{server.log_text()}")
-        wait_for(lambda: not set(server.workers()) & old, 30, "the old workers to go")
-        loads.wait_requests(20)
-
-
 @pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed")
 @pytest.mark.parametrize("event", ["hup", "usr2", "takeover"])
 @pytest.mark.parametrize("worker_class", WORKER_CLASSES)
@@ -250,7 +243,7 @@ def test_haproxy_never_runs_out_of_servers(server_factory: Any, ctl_dir: Path,
         with Loads(front) as loads:
             loads.wait_requests(50)
             if event == "hup":
-                hups(first, loads)
+                usr2s(first, None, loads, signal.SIGHUP)
             elif event == "usr2":
                 usr2s(first, None, loads)
             else:

@@ -52,19 +52,9 @@ def haproxy_config(front: int, admin: Path, backends: list[tuple[int, int]]) -> 
         f"    server s{n} 127.0.0.1:{port} check port {status} inter 100ms fastinter 100ms "
         f"downinter 100ms rise 1 fall 2"
         for n, (port, status) in enumerate(backends))
-    return f"""\
-global
-    maxconn 4096
-    stats socket {admin} level admin
+    from bench.lifecycle_servers import haproxy_head
 
-defaults
-    mode http
-    timeout connect 2s
-    timeout client 30s
-    timeout server 30s
-    timeout http-keep-alive 30s
-    timeout check 1s
-
+    return haproxy_head(f"    stats socket {admin} level admin\n") + f"""\
 frontend fe
     bind 127.0.0.1:{front}
     default_backend be
