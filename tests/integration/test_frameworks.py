@@ -23,7 +23,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import requests
@@ -235,11 +235,10 @@ def drain_with_requests_held(server: Server, gates: Callable[[str], Gate],
     return responses
 
 
-@by_worker_class
-def test_flask_term_answers_every_request_in_flight(served: Callable[..., Server],
-                                                    gates: Callable[[str], Gate],
-                                                    worker_class: str) -> None:
-    server = served(FLASK_DIR, "tests.apps.frameworks:flask()", worker_class)
+def term_answers_mixed_requests(server: Server, gates: Callable[[str], Gate], worker_class: str,
+                                greeting: str, **upload: Any) -> None:
+    """JSON GETs and 3 MiB uploads (``upload``: more for requests.post, e.g. a CSRF token)
+    held in the app across a TERM: each answered in full, then exit 0."""
     data = upload_body()
 
     def send(n: int, gate: Gate) -> requests.Response:
@@ -247,14 +246,22 @@ def test_flask_term_answers_every_request_in_flight(served: Callable[..., Server
         if n % 2:
             return requests.get(f"{server.url}/api/hello", headers=headers, timeout=REQUEST_TIMEOUT)
         return requests.post(f"{server.url}/upload", files={"file": (f"{n}.bin", data)},
-                             headers=headers, timeout=REQUEST_TIMEOUT)
+                             headers=headers, timeout=REQUEST_TIMEOUT, **upload)
 
     responses = drain_with_requests_held(server, gates, send, held_requests(worker_class))
     for n, response in enumerate(responses):
         if n % 2:
-            assert response.status_code == 200 and response.json()["message"] == "Hello from Flask"
+            assert response.status_code == 200 and response.json()["message"] == greeting
         else:
             check_upload(response, data, f"{n}.bin")
+
+
+@by_worker_class
+def test_flask_term_answers_every_request_in_flight(served: Callable[..., Server],
+                                                    gates: Callable[[str], Gate],
+                                                    worker_class: str) -> None:
+    server = served(FLASK_DIR, "tests.apps.frameworks:flask()", worker_class)
+    term_answers_mixed_requests(server, gates, worker_class, "Hello from Flask")
 
 
 @by_worker_class
@@ -265,19 +272,5 @@ def test_django_term_answers_every_request_in_flight(served: Callable[..., Serve
                     env=django_env(static_root))
     with requests.Session() as client:
         token, cookie, _ = csrf_form(client, server.url)
-    data = upload_body()
-
-    def send(n: int, gate: Gate) -> requests.Response:
-        headers = {"X-Test-Gate": str(gate.path)}
-        if n % 2:
-            return requests.get(f"{server.url}/api/hello", headers=headers, timeout=REQUEST_TIMEOUT)
-        return requests.post(f"{server.url}/upload", files={"file": (f"{n}.bin", data)},
-                             data={"csrfmiddlewaretoken": token}, cookies=cookie,
-                             headers=headers, timeout=REQUEST_TIMEOUT)
-
-    responses = drain_with_requests_held(server, gates, send, held_requests(worker_class))
-    for n, response in enumerate(responses):
-        if n % 2:
-            assert response.status_code == 200 and response.json()["message"] == "Hello from Django"
-        else:
-            check_upload(response, data, f"{n}.bin")
+    term_answers_mixed_requests(server, gates, worker_class, "Hello from Django",
+                                data={"csrfmiddlewaretoken": token}, cookies=cookie)
