@@ -310,6 +310,7 @@ SETTINGS: tuple[Setting, ...] = (
             metavar="MODULE:APP"),
     Setting("config", _optional_text, None, "YAML file of settings (keys as in --help, with _)",
             flags=("-c", "--config"), metavar="FILE.yaml", reloadable=False),
+    # -- hooks (issue 15)
     Setting("bind", _binds, ["127.0.0.1:8000"],
             "address to listen on: HOST:PORT, [::1]:PORT, unix:PATH or fd://N (repeatable)",
             flags=("-b", "--bind"), metavar="ADDRESS", repeatable=True, reloadable=False),
@@ -390,6 +391,7 @@ SETTINGS: tuple[Setting, ...] = (
             flags=("--max-requests",), metavar="N"),
     Setting("max_requests_jitter", _int(0), 0, "add up to this many requests at random per worker",
             flags=("--max-requests-jitter",), metavar="N"),
+    # -- worker recycling and request limits (issue 15)
     Setting("limit_request_line", _int(16), 8190, "longest request line (method, target and version) in bytes (else 414)",
             flags=("--limit-request-line",), metavar="BYTES"),
     Setting("limit_request_fields", _int(1), 100, "most header and trailer fields in a request (else 431)",
@@ -401,8 +403,10 @@ SETTINGS: tuple[Setting, ...] = (
             flags=("--limit-request-body",), metavar="BYTES"),
     Setting("preload", _bool, False, "import the application in the arbiter, before forking",
             flags=("--preload",), flag=True, reloadable=False),
+    # -- development reload (issue 15)
     Setting("chdir", _optional_text, None, "change to this directory before loading the app",
             flags=("--chdir",), metavar="DIR", reloadable=False),
+    # -- gunicorn spellings and process settings (issue 15)
     Setting("pidfile", _optional_text, None, "write the arbiter's PID to this file",
             flags=("--pidfile",), metavar="FILE", reloadable=False),
     Setting("log_level", _choice("debug", "info", "warning", "error", "critical"), "info",
@@ -486,6 +490,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("bind_group", _group, None,
             "group of the unix sockets forkserve binds (default: --group, else unchanged)",
             flags=("--bind-group",), metavar="GROUP", reloadable=False),
+    # -- logging integration (issue 15)
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}
