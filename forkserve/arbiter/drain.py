@@ -52,6 +52,11 @@ class Drain(Part):
             # this instance out before it stops accepting.
             self.lameduck_until = time.monotonic() + self.config.lameduck
             if self.config.lameduck > 0:
+                # Workers answer with Connection: close from now on, so a balancer's pooled
+                # keep-alive connections leave this instance one response at a time (each
+                # closed by us after the client read that it closes), instead of being closed
+                # idle at the drain, where one the balancer reuses at that moment is lost.
+                self.signal_workers(signal.SIGTTIN, list(self.workers.values()))
                 return
             self.lameduck_until = None
         self.begin_drain()

@@ -163,6 +163,7 @@ class Worker:
         self.cancellable: RequestContext | None = None  # the request a cancel would hit
         self.drain_reported = True  # the arbiter has our DRAINING record (see _on_graceful)
         self.pause_requested = False  # TTOU: the loop serves the queue, then stops listening
+        self.lameduck = False  # TTIN: the lameduck began; every response ends its connection
         self.timed_out = False
         self.retire_reason = ""
         # Heartbeats: often enough that the arbiter's timeout has several to see.
@@ -241,13 +242,14 @@ class Worker:
         }
         handlers[signal.SIGUSR2] = self._on_cancel
         handlers[signal.SIGTTOU] = self._on_pause
+        handlers[signal.SIGTTIN] = self._on_lameduck
         handlers[signal.SIGWINCH] = self._on_report
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
         # The arbiter's signals, not ours. SIGINT too: Ctrl-C in a terminal reaches the whole
         # process group, and the arbiter turns it into a graceful stop (TERM to us); a
         # worker acting on it directly would cut its in-flight request short.
-        for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTTIN):
+        for signum in (signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, signal.SIG_IGN)
         sigs.unblock()
         self.counters.pid = os.getpid()
@@ -350,6 +352,11 @@ class Worker:
     def _on_report(self, signum: int, frame: Any) -> None:
         """SIGWINCH: the arbiter wants live numbers (status); one atomic record, as on TERM."""
         self.counters.snapshot()
+
+    def _on_lameduck(self, signum: int, frame: Any) -> None:
+        """TTIN: the server's lameduck began (readiness fails, accepting goes on): every
+        response from now on ends its connection (see the arbiter's drain.begin_stop)."""
+        self.lameduck = True
 
     def _on_pause(self, signum: int, frame: Any) -> None:
         """TTOU: stop listening (serve what is queued first), keep serving connections."""

@@ -77,12 +77,13 @@ class GeventWorker(Pipeline):
         for signum, handler in ((signal.SIGQUIT, self._g_quit),
                                 (signal.SIGUSR2, self._g_cancel), (signal.SIGABRT, self._g_abort),
                                 (signal.SIGUSR1, self._g_reopen), (signal.SIGTTOU, self._g_pause),
+                                (signal.SIGTTIN, self._g_lameduck),
                                 (signal.SIGWINCH, self.counters.snapshot)):
             gevent.signal_handler(signum, handler)
 
     # -- serving -----------------------------------------------------------------------------
     def should_close(self) -> bool:
-        return self.state is not RUNNING or self.settings.keepalive <= 0
+        return self.state is not RUNNING or self.settings.keepalive <= 0 or self.lameduck
 
     def serve(self) -> None:
         gevent = self._gevent
@@ -247,6 +248,9 @@ class GeventWorker(Pipeline):
 
     def _g_reopen(self) -> None:
         self.reopen_logs()
+
+    def _g_lameduck(self) -> None:
+        self.lameduck = True
 
     def _g_pause(self) -> None:
         self.pause_requested = True

@@ -364,7 +364,7 @@ class SyncWorker(Pipeline):
         kept-alive client would otherwise hold it (and so its copy of the port, and the
         clients queued at the pause) for as long as it keeps sending."""
         return (self.state is not RUNNING or bool(self.parked) or self.settings.keepalive <= 0
-                or self.pause_requested or bool(self.waiting_poll.poll(0)))  # (pending clients too)
+                or self.lameduck or self.pause_requested or bool(self.waiting_poll.poll(0)))  # (pending clients too)
 
     # -- one connection --------------------------------------------------------------------
     def _handle(self, sock: socket.socket, addr: Any, listener: Listener) -> None:

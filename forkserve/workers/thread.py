@@ -63,7 +63,7 @@ class ThreadWorker(Pipeline):
         handler while the main thread, which runs the Python handler, is not yet scheduled:
         a byte waiting in the wakeup pipe counts as a possible stop (at worst, one needless
         Connection: close), so a response in progress at the drain never misses it."""
-        if self.state is not RUNNING or self.settings.keepalive <= 0:
+        if self.state is not RUNNING or self.settings.keepalive <= 0 or self.lameduck:
             return True
         # A poll object per thread: one select.poll may not be polled by two threads at once
         # (RuntimeError: concurrent poll() invocation, answered as a 500).

@@ -688,6 +688,44 @@ def test_lameduck_keeps_serving_then_drains(scenario: Any, worker_class: str) ->
     expect_access_lines(s, {t: 200 for t in s.sent})
 
 
+@by_worker_class
+def test_lameduck_moves_keep_alive_clients_off_one_response_at_a_time(scenario: Any,
+                                                                       worker_class: str) -> None:
+    """A balancer pools keep-alive connections: during the lameduck each of them gets one
+    more response, marked Connection: close, and is then closed by the server, so none is
+    left idle for the drain to close under a request the balancer is sending (that one would
+    be lost). Polled: the workers learn of the lameduck a moment after its log line."""
+    s = scenario(worker_class, "--lameduck", "5", workers=2)
+    sock = send_get(s.port, s.target("/"), close=False)
+    first = read_response(sock)
+    assert first.status == 200 and first.headers.get("connection") != "close", first.headers
+    s.signal()
+    s.server.wait_log("Received shutdown signal")
+    closes: list[dict[str, str]] = []
+
+    def one_more() -> bool:
+        sock.sendall(f"GET {s.target('/')} HTTP/1.1\r\nHost: test\r\n\r\n".encode())
+        response = read_response(sock)
+        assert response.status == 200
+        if response.headers.get("connection") == "close":
+            closes.append(response.headers)
+            return True
+        return False
+
+    with sock:
+        wait_for(one_more, 4, "a response marked Connection: close in the lameduck")
+        assert closed_without_response(sock), "the server must close after Connection: close"
+    assert s.server.count_log("Stopped accepting") == 0, "this happened in the lameduck"
+    # New clients are still served in the lameduck, each told that its connection ends.
+    fresh = send_get(s.port, s.target("/"), close=False)
+    with fresh:
+        response = read_response(fresh)
+        assert response.status == 200 and response.headers.get("connection") == "close"
+    s.wait_exit(15)
+    assert_drained(s)
+    expect_access_lines(s, {t: 200 for t in s.sent})
+
+
 # -- workers that die, signals that repeat ----------------------------------------------------------
 
 @by_worker_class
