@@ -417,6 +417,12 @@ class ThreadWorker(Pipeline):
             if ident is not None and conn.in_request and not conn.waiting:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident),
                                                            ctypes.py_object(RequestCancelled))
+        # Connections the app took over (WebSockets) are shut down: the app's waits on them
+        # end (a WebSocket library's receive() wakes), and the exception thrown above is
+        # pending by then, so it lands in the app, not after it.
+        for conn in list(self.connections):
+            if conn.taken:
+                conn.cut()
         # Only now: a thread the pipe wakes from a wait (a body read) raises RequestCancelled
         # itself and is no longer `waiting`; had the pipe been written first, the loop above
         # could see it so and throw it a second one, into its shutdown functions.
