@@ -144,11 +144,17 @@ def test_twenty_websockets_and_http_load_on_one_worker(server_factory: Any, tmp_
 @by_class
 def test_over_tls_the_socket_is_the_tls_socket(server_factory: Any, tmp_path: Path,
                                                worker_class: str) -> None:
+    """wss://, and the drain deadline's cut on TLS sockets too."""
     certs = Certs(tmp_path)
-    server = start(server_factory, worker_class, "wsgi", "--certfile", str(certs.server_pem))
+    server = start(server_factory, worker_class, "wsgi", "--certfile", str(certs.server_pem),
+                   "--drain-timeout", "1", "--cancel-grace", "3")
     clients = [connect(server, scheme="wss", ssl_context=certs.client()) for _ in range(3)]
     try:
         assert all_at_once(clients, 5) == []
+        server.signal(signal.SIGTERM)
+        assert server.wait_exit(15) == 0
+        assert all(ended_by_server(ws) for ws in clients)
+        assert server.count_log("killed with SIGKILL") == 0
     finally:
         for ws in clients:
             finish(ws)
