@@ -428,5 +428,15 @@ class ThreadWorker(Pipeline):
         # could see it so and throw it a second one, into its shutdown functions.
         self.signal_stop(cancel=True)
 
+    def _on_hard(self, signum: int, frame: Any) -> None:
+        """QUIT (a hard stop, and what an old generation gets at its drain deadline after a
+        reload): connections the app took over are shut down too, so that their threads,
+        waiting on their clients in the app, end within the join below (serve) instead of
+        holding the worker until the arbiter's SIGKILL."""
+        for conn in list(self.connections):
+            if conn.taken:
+                conn.cut()
+        super()._on_hard(signum, frame)
+
 
 __all__ = ["ThreadWorker"]

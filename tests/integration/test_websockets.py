@@ -228,6 +228,39 @@ def test_hup_new_workers_take_new_websockets_old_ones_stay_until_closed(
 
 
 @by_class
+def test_hup_old_websockets_are_cut_at_the_drain_deadline_new_ones_stay(
+        server_factory: Any, tmp_path: Path, worker_class: str) -> None:
+    """An old generation's deadline is a hard stop (QUIT): its WebSockets are cut all the
+    same, the app's cleanup runs, and the worker exits before the arbiter's SIGKILL."""
+    server = start(server_factory, worker_class, "wsgi", "--drain-timeout", "1",
+                   "--cancel-grace", "3")
+    outs = [tmp_path / f"old{n}" for n in range(2)]
+    old = [connect(server, out) for out in outs]
+    new: list[simple_websocket.Client] = []
+    try:
+        (old_pid,) = {pid_of(ws) for ws in old}
+        server.signal(signal.SIGHUP)
+        server.wait_log("Reload complete")
+
+        def on_new_worker() -> bool:
+            ws = connect(server)
+            (new if pid_of(ws) != old_pid else old).append(ws)
+            return bool(new)
+        wait_for(on_new_worker, 15, "a new WebSocket on the new worker")
+        wait_for(lambda: old_pid not in server.workers(), 15,
+                 "the old worker to exit at its drain deadline")
+        assert all(ended_by_server(ws) for ws in old)
+        assert all_at_once(new, 3) == []  # the new worker's are not touched
+        assert server.count_log("killed with SIGKILL") == 0
+    finally:
+        for ws in old + new:
+            finish(ws)
+    for out in outs:
+        opened, closed, shut = lines(out)
+        assert (opened, shut) == ("opened", "shutdown") and closed.startswith("closed "), out
+
+
+@by_class
 @by_app
 def test_term_drains_websockets_then_closes_them_at_the_deadline(
         server_factory: Any, tmp_path: Path, worker_class: str, app: str) -> None:
