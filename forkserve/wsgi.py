@@ -65,7 +65,7 @@ LOOKUPS = frozenset({"family", "type", "proto", "getpeername", "getsockname", "g
 
 class ClientSocket:
     """``environ["gunicorn.socket"]`` and ``environ["werkzeug.socket"]``, on a request that
-    asks for an upgrade (an ``Upgrade`` header): the client's socket (an ``ssl.SSLSocket``
+    asks for an upgrade (``Connection: Upgrade`` and ``Upgrade``): the client's socket (an ``ssl.SSLSocket``
     over TLS), for an app that takes the connection over, as WebSocket libraries do
     (simple-websocket, flask-sock). A stand-in that hands the socket over on first use: any
     attribute but a look-up (``LOOKUPS``, or a name that begins with ``_``) makes the
