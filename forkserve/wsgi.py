@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, NoReturn, Protocol
 from urllib.parse import unquote_to_bytes
 
 from forkserve.http import HTTPError, Request
@@ -39,6 +39,59 @@ class AppError(Exception):
 
 class ClientGone(Exception):
     """The client closed or reset the connection while we were writing to it."""
+
+
+# -- the client's socket, for an app that takes the connection over (WebSockets) ----------------
+
+class Upgradable(Protocol):
+    sock: Any
+
+    def take_over(self) -> Any: ...
+
+
+class UpgradeRefused(RuntimeError):
+    """The app tried to take the connection over (a WebSocket upgrade) on a worker that
+    cannot give it one: the sync worker serves one connection at a time."""
+
+
+# What an app may look up on the socket without taking the connection over: its addresses,
+# options, TLS parameters. Anything else (send, recv, fileno, close, makefile, setblocking...)
+# is I/O, and hands the connection to the app.
+LOOKUPS = frozenset({"family", "type", "proto", "getpeername", "getsockname", "getsockopt",
+                     "gettimeout", "getblocking", "getpeercert", "cipher", "shared_ciphers",
+                     "version", "selected_alpn_protocol", "compression", "server_side",
+                     "server_hostname", "context", "session", "session_reused"})
+
+
+class ClientSocket:
+    """``environ["gunicorn.socket"]`` and ``environ["werkzeug.socket"]``, on a request that
+    asks for an upgrade (``Connection: Upgrade`` and ``Upgrade``): the client's socket (an ``ssl.SSLSocket``
+    over TLS), for an app that takes the connection over, as WebSocket libraries do
+    (simple-websocket, flask-sock). A stand-in that hands the socket over on first use: any
+    attribute but a look-up (``LOOKUPS``, or a name that begins with ``_``) makes the
+    connection the app's, and is then the socket's own. From then on the server writes no
+    response of its own (what the app returns or writes through start_response is dropped),
+    reads no more requests on the connection, and closes it once the app returns; the socket
+    is blocking (cooperatively, under gevent). A stand-in rather than the socket itself so
+    that the server knows, exactly and at no cost to other requests, that the app took it.
+    With ``refuse`` (the sync worker) taking it calls ``refuse``, which raises."""
+
+    __slots__ = ("_transport", "_refuse")
+
+    def __init__(self, transport: Upgradable,
+                 refuse: Callable[[], NoReturn] | None = None) -> None:
+        self._transport = transport
+        self._refuse = refuse
+
+    def __getattr__(self, name: str) -> Any:
+        if name in LOOKUPS or name[:1] == "_":
+            return getattr(self._transport.sock, name)
+        if self._refuse is not None:
+            self._refuse()
+        return getattr(self._transport.take_over(), name)
+
+    def __repr__(self) -> str:
+        return f"<forkserve.ClientSocket of {self._transport.sock!r}>"
 
 
 # -- wsgi.input ---------------------------------------------------------------------------------
@@ -407,6 +460,8 @@ class Exchange:
 
     def send_file(self, wrapper: FileWrapper) -> bool:
         """Serve a FileWrapper with sendfile; False when it must be iterated instead."""
+        if self.finished:
+            return True  # (the app took the connection over: nothing of ours goes out)
         span = wrapper.sendfile_span()
         if span is None or self.writer is not None:
             return False
@@ -443,5 +498,6 @@ class Exchange:
             self.transport.send(tail)
 
 
-__all__ = ["AppError", "ClientGone", "ErrorStream", "Exchange", "FileWrapper", "HeaderKeys",
-           "Input", "Transport", "base_environ", "build_environ", "HTTPError"]
+__all__ = ["AppError", "ClientGone", "ClientSocket", "ErrorStream", "Exchange", "FileWrapper",
+           "HeaderKeys", "Input", "Transport", "Upgradable", "UpgradeRefused", "base_environ",
+           "build_environ", "HTTPError"]

@@ -66,7 +66,7 @@ class Connection:
                  "idle_since",
                  "output_ended", "trusted", "peer", "_proxy", "_ssl", "_handshaking",
                  "_blocked_read", "_blocked_write", "_broken", "head_began", "_refusal",
-                 "defer_writes", "unsent", "park")
+                 "defer_writes", "unsent", "park", "taken")
 
     def __init__(self, sock: socket.socket, remote: tuple[str, str], limits: Limits,
                  io_timeout: float, should_close: Callable[[], bool] | None = None,
@@ -108,6 +108,9 @@ class Connection:
         # that has not taken more for PARK_AFTER (the thread worker: a spare thread serves
         # meanwhile; see ThreadWorker.park).
         self.park: Callable[[bool], None] | None = None
+        # The app took the connection over (wsgi.ClientSocket: a WebSocket upgrade): it is the
+        # app's until the app returns, then closed; nothing of ours is read or written on it.
+        self.taken = False
         self.trusted = trusted  # the peer is a trusted proxy (see forkserve.proxy)
         self.peer: tuple[str, str] | None = None  # the balancer's address, once a PROXY header named the client
         # --proxy-protocol: what arrived so far while the first bytes may be a PROXY header
@@ -163,6 +166,8 @@ class Connection:
     def end_request(self) -> None:
         """The request is answered: the connection idles (kept alive) until its next one."""
         self.exchange = None
+        if self.taken and self.park is not None:
+            self.park(False)  # (see take_over)
         self.served += 1
         self.idle_since = time.monotonic()
         if self.phase is REQUEST:
@@ -173,6 +178,34 @@ class Connection:
         and the connection serves nothing more."""
         self.end_output()
         self.released = True
+
+    def take_over(self) -> socket.socket:
+        """-- may run in any of the app's threads. The app takes the connection (the first
+        use of its wsgi.ClientSocket, in a WebSocket library's handshake): no output of the
+        response in progress goes out any more (the app writes its own, the 101 first), and
+        the socket, blocking now, is the app's until it returns (see close). Where a request
+        thread waits on a slow client (``park``: the thread worker), a spare thread takes
+        this one's place for as long as the app holds the connection."""
+        if not self.taken:
+            self.taken = True
+            exchange = self.exchange
+            if exchange is not None:
+                exchange.finished = exchange.close = True
+            self.sock.setblocking(True)
+            if self.park is not None:
+                self.park(True)
+        return self.sock
+
+    def cut(self) -> None:
+        """-- may run in a signal handler. A taken connection at the drain deadline: shut down
+        both ways, so that the app's waits on it end (a recv() blocked in one of its threads
+        returns EOF; a WebSocket library's receive() raises ConnectionClosed) and the client
+        sees the connection end. Not a close: the fd stays the app's until it returns."""
+        try:
+            if self.sock.fileno() >= 0:  # (-1: the app closed it itself)
+                self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return  # the client is gone already
 
     def await_request(self, deadline: float) -> None:
         """Between requests, in the connection's own greenlet (gevent worker): until the
@@ -584,6 +617,12 @@ class Connection:
             return
         self.phase = CLOSED
         self.exchange = None
+        if self.taken:
+            # The app has returned: it sent its own close (a WebSocket Close frame) or just
+            # stopped. The server closes TCP first (RFC 6455 §7.1.1); shut down first, so a
+            # reader thread the app left in recv() wakes (a close alone would not wake it).
+            self.cut()
+            linger = False
         try:
             if linger:
                 self._linger()

@@ -233,6 +233,8 @@ class GeventWorker(Pipeline):
                 self._cancel(conn)
 
     def _cancel(self, conn: Connection) -> None:
+        if conn.taken:
+            conn.cut()  # a WebSocket: the app's reader greenlet and the client see it end
         conn.owner.kill(RequestCancelled("cancelled: the drain timeout passed"), block=False)
 
     def _g_quit(self) -> None:

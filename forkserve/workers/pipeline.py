@@ -22,7 +22,7 @@ import errno
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from forkserve.context import CURRENT, RequestCancelled, RequestContext
 from forkserve.http import HTTPError, Request
@@ -33,8 +33,8 @@ from forkserve.sockets import Listener, refusing_new_connections
 from forkserve.workers.base import Worker, WorkerState
 from forkserve.workers.connection import (LINGER_BYTES, LINGER_TIME, RECV_SIZE, Abandoned,
                                           Connection, Timeout, linger_together)
-from forkserve.wsgi import (ClientGone, ErrorStream, Exchange, FileWrapper, HeaderKeys, Input,
-                            base_environ, build_environ)
+from forkserve.wsgi import (ClientGone, ClientSocket, ErrorStream, Exchange, FileWrapper,
+                            HeaderKeys, Input, UpgradeRefused, base_environ, build_environ)
 
 NEW_CONNECTION_GRACE = 0.5  # seconds a silent new connection gets once the worker stops
 # Seconds an idle keep-alive connection must have been quiet before a stopping worker closes it.
@@ -80,6 +80,9 @@ class Pipeline(Worker):
     # The worker's own loop writes out a whole response a slow reader has not taken yet
     # (thread worker: so that the request thread is free at once; see Connection.send_last).
     defers_writes = False
+    # Why an app may not take a connection over (a WebSocket upgrade, see wsgi.ClientSocket)
+    # on this worker class; None where it may.
+    upgrade_refusal: str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -99,6 +102,7 @@ class Pipeline(Worker):
         self.accept_failures = 0  # failed accepts since the last line about them
         self.accept_troubled = False  # accept() failed, and no line has said it works again
         self.accept_logged_at = -ACCEPT_LOG_INTERVAL
+        self.upgrade_refused_logged = False
 
     def setup_http(self) -> None:
         """What every request on this worker shares: the Date cache, header keys, environs."""
@@ -521,6 +525,8 @@ class Pipeline(Worker):
             if request is None:
                 return Ending.CLOSE
             if not self.serve_request(conn, request, base):
+                if conn.taken:
+                    return Ending.CLOSE  # the app's until it returned; nothing to drain
                 # Linger only where the client may still be sending (a body the app did not
                 # read, pipelined bytes): closing then would reset it. A request read to its
                 # end leaves nothing (lingering would hold the connection, and so the
@@ -580,6 +586,11 @@ class Pipeline(Worker):
             environ["forkserve.peer_cert"] = conn.peer_certificate()
         if conn.trusted:
             self.proxies.apply(environ)  # a proxy's word on the scheme (and the client)
+        if request.upgrade:
+            # The keys gunicorn and werkzeug's server set, where WebSocket libraries look for
+            # the socket; only a request that asks for an upgrade can be taken over.
+            environ["gunicorn.socket"] = environ["werkzeug.socket"] = ClientSocket(
+                conn, self.refuse_upgrade if self.upgrade_refusal else None)
         if access_log is not None:
             # The client's (or its proxy's) X-Request-ID, else a new one: the app sees the
             # same id the access log records.
@@ -597,6 +608,8 @@ class Pipeline(Worker):
             status = exchange.status_code or 499
         except HTTPError as exc:  # from wsgi.input: a body over --limit-request-body
             status = self._fail(conn, exchange, exc.status, None)
+        except UpgradeRefused:  # (the sync worker: one line, not a traceback per try)
+            status = self._fail(conn, exchange, 501, None)
         except (RequestCancelled, Abandoned) as exc:
             # Abandoned: a wait on the request body, ended by the cancel.
             self.log.warning("Request cancelled", reason=str(exc) or "cancelled",
@@ -606,7 +619,10 @@ class Pipeline(Worker):
                 metrics.cancelled()
             status = self._fail(conn, exchange, 503, None)
         except Exception as exc:
-            status = self._fail(conn, exchange, 500, exc)
+            # A taken connection's app may end with StopIteration: what flask-sock raises to
+            # tell gunicorn "no response" (when it found only gunicorn.socket). Not an error.
+            quiet = conn.taken and type(exc) is StopIteration
+            status = self._fail(conn, exchange, 500, None if quiet else exc)
         finally:
             self.cancellable = None
             self.in_request = False
@@ -615,7 +631,11 @@ class Pipeline(Worker):
             counters.in_flight_requests -= 1
             conn.end_request()
             self.report()
-        if exchange.framing_broken:
+        if conn.taken:
+            # 101: what the app answered itself (the access log's bytes stay 0: what it sent
+            # on the socket is its own, not counted by the server).
+            status = 101
+        elif exchange.framing_broken:
             self.log.error("Response body did not match its Content-Length; connection closed",
                            method=request.method, target=environ["RAW_URI"],
                            content_length=exchange.content_length, sent=exchange.sent)
@@ -635,6 +655,16 @@ class Pipeline(Worker):
         if now >= self.next_heartbeat:
             self.heartbeat(now)
         return keep and not conn.released and conn.discard_body(request)
+
+    def refuse_upgrade(self) -> NoReturn:
+        """An app tries to take its connection over where ``upgrade_refusal`` says it may
+        not: a clear error in the app (and one log line per worker), not a worker held by
+        one WebSocket."""
+        if not self.upgrade_refused_logged:
+            self.upgrade_refused_logged = True
+            self.log.warning("Connection upgrade (WebSocket) refused", reason=self.upgrade_refusal,
+                             worker=self.worker_id)
+        raise UpgradeRefused(self.upgrade_refusal)
 
     def _finish_early(self, conn: Connection, exchange: Exchange) -> None:
         """forkserve.finish_request(): the response ends for the client now. The connection
@@ -678,7 +708,7 @@ class Pipeline(Worker):
             request = exchange.request
             self.log.exception(f"Error handling request {request.method} "
                                f"{request.target.decode('latin-1')}", exc, worker=self.worker_id)
-        if exchange.headers_sent:
+        if exchange.headers_sent or conn.taken:
             exchange.close = True  # the client sees a truncated response, never a wrong one
             return exchange.status_code
         try:

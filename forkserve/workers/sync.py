@@ -41,6 +41,10 @@ RUNNING = WorkerState.RUNNING
 class SyncWorker(Pipeline):
     multithread = False
     defers_writes = True  # a whole response a slow reader has not taken: the loop writes it
+    # A WebSocket would hold the worker's one connection for its whole life (everyone else
+    # waits), and beat no heartbeat past --timeout: refused, with the way out.
+    upgrade_refusal = ("the sync worker serves one connection at a time; a WebSocket needs "
+                       "the thread or gevent worker (-k thread, -k gevent)")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -417,10 +417,26 @@ class ThreadWorker(Pipeline):
             if ident is not None and conn.in_request and not conn.waiting:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident),
                                                            ctypes.py_object(RequestCancelled))
+        # Connections the app took over (WebSockets) are shut down: the app's waits on them
+        # end (a WebSocket library's receive() wakes), and the exception thrown above is
+        # pending by then, so it lands in the app, not after it.
+        for conn in list(self.connections):
+            if conn.taken:
+                conn.cut()
         # Only now: a thread the pipe wakes from a wait (a body read) raises RequestCancelled
         # itself and is no longer `waiting`; had the pipe been written first, the loop above
         # could see it so and throw it a second one, into its shutdown functions.
         self.signal_stop(cancel=True)
+
+    def _on_hard(self, signum: int, frame: Any) -> None:
+        """QUIT (a hard stop, and what an old generation gets at its drain deadline after a
+        reload): connections the app took over are shut down too, so that their threads,
+        waiting on their clients in the app, end within the join below (serve) instead of
+        holding the worker until the arbiter's SIGKILL."""
+        for conn in list(self.connections):
+            if conn.taken:
+                conn.cut()
+        super()._on_hard(signum, frame)
 
 
 __all__ = ["ThreadWorker"]
