@@ -66,6 +66,7 @@ class WatchPlan:
     roots: tuple[str, ...]  # directories whose files count when the globs say so
     extra: tuple[str, ...]  # --reload-extra-file: files (or directories) that always count
     watched: tuple[str, ...]  # what watchfiles watches (recursively)
+    missing: tuple[str, ...] = ()  # extra files whose directory does not exist: not watched
 
 
 def watch_plan(app: str, cwd: str, extra_files: Iterable[str],
@@ -89,11 +90,16 @@ def watch_plan(app: str, cwd: str, extra_files: Iterable[str],
             roots.append(os.path.dirname(os.path.abspath(spec.origin)))
     roots = _outermost(roots)
     extra = tuple(dict.fromkeys(os.path.abspath(os.path.join(cwd, f)) for f in extra_files))
-    watched = list(roots)
+    watched, missing = list(roots), []
     for path in extra:
-        if not _below_any(path, roots):
-            watched.append(path if os.path.isdir(path) else os.path.dirname(path))
-    return WatchPlan(tuple(roots), extra, tuple(_outermost(watched)))
+        if _below_any(path, roots):
+            continue
+        where = path if os.path.isdir(path) else os.path.dirname(path)
+        if os.path.isdir(where):
+            watched.append(where)  # (a file not there yet is seen when it is created)
+        else:
+            missing.append(path)
+    return WatchPlan(tuple(roots), extra, tuple(_outermost(watched)), tuple(missing))
 
 
 def _below_any(path: str, directories: Iterable[str]) -> bool:

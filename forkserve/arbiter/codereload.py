@@ -48,6 +48,12 @@ class CodeReload(Part):
         cwd = os.getcwd()  # the --chdir directory: where the application is imported from
         plan = watch_plan(self.config.app, cwd, self.config.reload_extra_file, sys.path)
         accepts = ChangeFilter(plan, self.config.reload_include, self.config.reload_exclude)
+        for path in plan.missing:
+            self.log.warning("--reload-extra-file: no such directory, not watched", path=path)
+        if not plan.watched:
+            self.log.warning("--reload: nothing to watch (the current directory is /); "
+                             "use --chdir PROJECT or --reload-extra-file")
+            return
         try:
             self.watcher = Watcher(plan, accepts)
         except ImportError as exc:  # (the configuration checked it is installed)

@@ -176,7 +176,10 @@ def test_a_broken_edit_keeps_the_old_workers_serving_until_fixed(server_factory:
 
 def test_an_extra_file_outside_the_project_reloads(server_factory: Any, tmp_path: Path) -> None:
     project = Project(tmp_path)
-    server = start(server_factory, project, "--reload-extra-file", "../conf/extra.txt")
+    server = start(server_factory, project, "--reload-extra-file", "../conf/extra.txt",
+                   "--reload-extra-file", "../nowhere/x.yaml")
+    warning = server.wait_log("--reload-extra-file: no such directory, not watched")
+    assert warning["path"] == str(tmp_path / "nowhere" / "x.yaml")
     assert get(server.port, "/").body.split()[2] == b"extra-1"
     replace(project.extra, "extra-22")  # replaced, as an editor saves: still watched
     record = server.wait_log("Code changed")

@@ -174,3 +174,9 @@ def test_gc_freeze_off_in_yaml(tmp_path: Path) -> None:
     path = tmp_path / "forkserve.yaml"
     path.write_text("gc_freeze: false\n")
     assert resolve(cli("-c", str(path), "app:app"), {}).gc_freeze is False
+
+
+def test_plan_an_extra_file_in_a_missing_directory_is_left_out(tmp_path: Path) -> None:
+    plan = watch_plan("app:app", str(tmp_path), ["/nonexistent-dir-xyz/a.yaml", "later.yaml"], [])
+    assert plan.missing == ("/nonexistent-dir-xyz/a.yaml",)
+    assert plan.watched == (str(tmp_path),)  # later.yaml: in the root, seen once created
