@@ -27,7 +27,6 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -132,7 +131,7 @@ def main() -> int:
     results = {kind: run(kind, args.workers, args.heap_mb, args.requests) for kind in kinds}
     print(f"\n{args.workers} sync workers, --preload, ~{args.heap_mb:g} MB heap built at import; "
           f"mean per worker in MB, and the PSS of arbiter + workers")
-    print(f"| server | phase | RSS | PSS | USS | total PSS |\n|---|---|---|---|---|---|")
+    print("| server | phase | RSS | PSS | USS | total PSS |\n|---|---|---|---|---|---|")
     for kind, phases in results.items():
         for phase, label in (("warm", f"after {args.requests} requests each"),
                              ("collected", "after a full gc.collect() in each")):
