@@ -181,6 +181,11 @@ def _binds(value: Any) -> list[str]:
     return [_bind(item) for item in items]
 
 
+def _text_list(value: Any) -> list[str]:
+    items = value if isinstance(value, list) else [value]
+    return [_text(item) for item in items]
+
+
 def _pids(value: Any) -> list[int]:
     items = value if isinstance(value, list) else str(value).replace(",", " ").split()
     return [_int(1)(item) for item in items]
@@ -404,6 +409,32 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("preload", _bool, False, "import the application in the arbiter, before forking",
             flags=("--preload",), flag=True, reloadable=False),
     # -- development reload (issue 15)
+    Setting("gc_freeze", _bool, True,
+            "with --preload, the arbiter runs gc.collect() and gc.freeze() after the import, "
+            "before forking, so that the workers' garbage collector never writes to the "
+            "application's objects and their memory pages stay shared (copy-on-write); "
+            "--no-gc-freeze (gc_freeze: false) turns that off",
+            flags=("--no-gc-freeze",), flag=True, reloadable=False),
+    Setting("reload", _bool, False,
+            "development: watch the application's files and reload as HUP does (new workers "
+            "boot, then the old ones drain) when one changes; watches the --chdir directory "
+            "and the application's package, *.py and --reload-include files; needs watchfiles "
+            "(pip install 'forkserve[reload]'); not with --preload",
+            flags=("--reload",), flag=True, reloadable=False),
+    Setting("reload_extra_file", _text_list, [],
+            "with --reload, also reload when this file changes, or any file in this directory "
+            "(repeatable; relative to --chdir)",
+            flags=("--reload-extra-file",), metavar="PATH", repeatable=True, reloadable=False),
+    Setting("reload_include", _text_list, [],
+            "with --reload, files matching this glob count too, besides *.py (repeatable; "
+            "matched against the name and the path below the watched directory, e.g. "
+            "'*.html' or 'templates/*')",
+            flags=("--reload-include",), metavar="GLOB", repeatable=True, reloadable=False),
+    Setting("reload_exclude", _text_list, [],
+            "with --reload, changes to paths with a part matching this glob do not count "
+            "(repeatable), besides .git, __pycache__, .venv, venv, node_modules, *.pyc, "
+            "editors' swap and backup files and the like",
+            flags=("--reload-exclude",), metavar="GLOB", repeatable=True, reloadable=False),
     Setting("chdir", _optional_text, None, "change to this directory before loading the app",
             flags=("--chdir",), metavar="DIR", reloadable=False),
     # -- gunicorn spellings and process settings (issue 15)
@@ -582,11 +613,13 @@ def build_argparser(version: str) -> argparse.ArgumentParser:
             continue
         if s.secret:
             continue
-        default_text = "" if s.default is None or s.default is False or s.default == [] else f" [default: {_show(s.default)}]"
+        default_text = "" if s.default is None or s.default is False or s.default == [] \
+            or s.flag else f" [default: {_show(s.default)}]"
         kwargs: dict[str, Any] = {"dest": s.name, "help": s.help + default_text}
         if s.flag:
             kwargs["action"] = "store_const"
-            kwargs["const"] = True
+            # A flag turns its setting on; one on by default, off (--no-gc-freeze).
+            kwargs["const"] = s.default is not True
         else:
             kwargs["metavar"] = s.metavar
             if s.repeatable:
@@ -669,6 +702,14 @@ def resolve(cli: dict[str, Any], environ: dict[str, str] | os._Environ[str]) -> 
         # library in each worker: gunicorn's classic gevent bug. Refuse it outright.
         raise ConfigError("--preload cannot be used with -k gevent: the application would be "
                           "imported before gevent patches the standard library")
+    if values["reload"] and values["preload"]:
+        # A HUP with --preload forks new workers from the arbiter's copy of the application,
+        # imported once at start: the edited code would never be loaded.
+        raise ConfigError("--reload cannot be used with --preload: the application is imported "
+                          "once, in the arbiter, and a reload would fork the workers from that "
+                          "same code; drop --preload while developing")
+    if values["reload"] and importlib.util.find_spec("watchfiles") is None:
+        raise ConfigError("--reload needs watchfiles: pip install 'forkserve[reload]'")
     if values["proxy_protocol"] and values["certfile"]:
         # The PROXY header comes before the TLS handshake on the wire; the workers look for it
         # in the decrypted stream, so the two together would fail every handshake. Refused

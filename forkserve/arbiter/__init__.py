@@ -13,6 +13,7 @@ owned, one story a module, by the mixins ``Arbiter`` is made of:
     observe.py   readiness, the status snapshot and pages, live numbers, systemd
     commands.py  the control socket's commands, USR1
     acquire.py   where the listening sockets come from (bound, inherited, taken over)
+    codereload.py  --reload: the watcher's changes, debounced into a HUP
 
 # -- runs in the loop ----------------------------------------------------------------------
 Everything here runs in the loop. Signals reach it as bytes on a wakeup pipe
@@ -22,6 +23,7 @@ registered (``deadlines``), then lets each owner act on what is due (``tick``).
 
 from __future__ import annotations
 
+import gc
 import os
 import select
 import signal
@@ -41,6 +43,7 @@ from forkserve.sockets import Listener
 from forkserve.status import StatusServer
 from forkserve.workers import worker_class
 from forkserve.workers.base import WorkerSettings
+from forkserve.arbiter.codereload import CodeReload
 from forkserve.arbiter.commands import Commands
 from forkserve.arbiter.drain import Drain
 from forkserve.arbiter.handoff import Handoff
@@ -57,7 +60,7 @@ LIVE_LINE_WAIT = 0.5
 
 
 @dataclass
-class Arbiter(WorkerTable, Drain, Generations, Upgrade, Handoff, Observe, Commands):
+class Arbiter(WorkerTable, Drain, Generations, Upgrade, Handoff, Observe, Commands, CodeReload):
     config: Config
     cli_args: dict[str, Any]
     listeners: list[Listener]
@@ -133,6 +136,9 @@ class Arbiter(WorkerTable, Drain, Generations, Upgrade, Handoff, Observe, Comman
             self.signals.replay(inherited.signals)
         if self.notifier is not None and self.notifier.enabled and self.notifier.watchdog_interval:
             self.next_watchdog = time.monotonic()
+        if self.app is not None and self.config.gc_freeze:
+            freeze_shared(self.log)
+        self.start_watching()  # (--reload) before the first fork: an edit during the boot counts
         self.spawn_missing(time.monotonic())
         if inherited is not None and inherited.status_stand_in:
             # Our status server answers from the next poll on (or we have none: the setting
@@ -159,6 +165,7 @@ class Arbiter(WorkerTable, Drain, Generations, Upgrade, Handoff, Observe, Comman
         return self.exit_code
 
     def shutdown(self) -> None:
+        self.stop_watching()
         for listener in self.listeners:
             listener.close(unlink=True)
         if self.control is not None:
@@ -223,6 +230,7 @@ class Arbiter(WorkerTable, Drain, Generations, Upgrade, Handoff, Observe, Comman
         yield from self.worker_deadlines(now)
         yield from self.observe_deadlines()
         yield from self.handoff_deadlines()
+        yield from self.watch_deadlines()
 
     def next_timeout(self, now: float) -> float | None:
         first = min(self.deadlines(now), default=None)
@@ -235,9 +243,26 @@ class Arbiter(WorkerTable, Drain, Generations, Upgrade, Handoff, Observe, Comman
         self.observe_tick(now)
         self.drain_tick(now)
         self.handoff_tick(now)
+        self.watch_tick(now)
         if self.state in (State.BOOTING, State.RUNNING):
             self.spawn_missing(now)
         self.carry_out_wanted()
+
+
+def freeze_shared(log: Log) -> None:
+    """With --preload, before the first fork: every object there is (the application's, and
+    ours, the worker code included) moved to the permanent generation. They are shared with
+    the workers copy-on-write, and a full collection in a worker would otherwise write to each
+    one's header (its gc bookkeeping), so copy every page the heap lies on, in every worker.
+    Frozen, they are never visited, by the workers (who inherit the permanent generation;
+    they must not unfreeze) nor by us. The import's garbage is collected first, so as not to
+    keep it forever. Once is enough: from here the arbiter runs no application code, and what
+    it allocates itself is small (freezing again before later forks would keep its own
+    garbage for good). See the gc.freeze documentation."""
+    gc.collect()
+    gc.freeze()
+    log.debug("Preloaded application frozen for copy-on-write (gc.freeze)",
+              frozen_objects=gc.get_freeze_count())
 
 
 def read_each_round(fd: int, events: int) -> None:

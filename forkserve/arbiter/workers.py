@@ -160,7 +160,7 @@ class WorkerTable(Part):
                     worker_id, self.generation, self.settings, self.listeners, self.counter_w,
                     self.alive_r, self.log, self.app,
                     close_fds=[self.counter_r, self.alive_w, self.signals.read_fd,
-                               self.signals.write_fd, *self.control_fds(),
+                               self.signals.write_fd, *self.control_fds(), *self.watch_fds(),
                                *(self.status_server.fds() if self.status_server else ())])
                 worker.run_child()
             finally:

@@ -123,20 +123,34 @@ def test_gevent_is_imported_only_by_the_gevent_worker(name: str) -> None:
         assert "gevent" not in {top(i) for i in imports(name)}
 
 
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_watchfiles_is_imported_only_by_the_reloader(name: str) -> None:
+    """The optional `reload` extra: one module imports it, and only when a watcher starts."""
+    found = {top(i) for i in imports(name)}
+    if name != "forkserve.reloader":
+        assert "watchfiles" not in found
+    else:
+        assert found - set(STDLIB) - {"__future__"} == {"watchfiles"}
+        tree = ast.parse(MODULES[name].read_text())
+        assert not any(isinstance(n, ast.Import) and n.names[0].name == "watchfiles"
+                       for n in tree.body), "imported at module level"
+
+
 # -- the whole table, as data -------------------------------------------------------------------
 # STYLE.md section 2 as the code has it: what each part of forkserve may import of forkserve
 # (a part is the first name under forkserve: "arbiter" covers forkserve.arbiter.*). Its own
 # modules are always allowed. Where the code grew a part STYLE does not name (handover,
 # metrics, statusview...), it is listed here with its edges, so a new edge is a decision.
 LEAVES = ("counters", "handover", "lifecycle", "loader", "logs", "machine", "pidfile", "proxy",
-          "reactor", "signals", "sockets", "systemd", "tls")
+          "reactor", "reloader", "signals", "sockets", "systemd", "tls")
 ALLOWED: dict[str, set[str]] = {
     "__main__": {"cli"},
     "": {"background", "context", "telemetry"},  # forkserve/__init__: the app-facing API
     "cli": {"", "arbiter", "config", "control", "counters", "handover", "loader", "logs",
             "metrics", "pidfile", "sockets", "statusview", "systemd", "tls"},
     "arbiter": {"", "config", "control", "counters", "handover", "lifecycle", "logs", "metrics",
-                "reactor", "signals", "sockets", "standin", "status", "systemd", "tls", "workers"},
+                "reactor", "reloader", "signals", "sockets", "standin", "status", "systemd", "tls",
+                "workers"},
     "workers": {"background", "context", "counters", "http", "loader", "logs", "metrics",
                 "proxy", "signals", "sockets", "telemetry", "tls", "wsgi"},
     "wsgi": {"http"},

@@ -1,0 +1,146 @@
+"""How much of a preloaded application's memory the workers share: gc.freeze on and off.
+
+    python bench/memory.py [-w WORKERS] [--heap-mb MB] [--requests N]
+
+Starts each server with ``--preload`` and WORKERS sync workers on ``bench.apps_memory:app``
+(about MB of ordinary Python objects built at import, and Flask imported), one after the
+other on this machine:
+
+    forkserve                  gc.collect(); gc.freeze() before forking (the default)
+    forkserve --no-gc-freeze   the same without it
+    gunicorn --preload         for comparison (it does not freeze)
+
+Each worker is warmed with N requests (fresh connections, until every worker has served
+N), then its memory is read from /proc/PID/smaps_rollup: RSS, PSS (its proportional share of
+the pages it shares) and USS (Private_Clean + Private_Dirty: what it alone holds, what its
+exit would free). Then every worker runs one full ``gc.collect()`` (``/collect``), as a
+long-lived worker eventually does by itself, and is read again. Printed: the mean per worker
+in MB, and the sum of PSS over the arbiter and its workers (the memory the whole server
+really costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.harness import Server, children, get, wait_for  # noqa: E402
+
+from bench.lifecycle_servers import Gunicorn  # noqa: E402
+
+APP = "bench.apps_memory:app"
+FIELDS = ("Rss", "Pss", "Private_Clean", "Private_Dirty")
+
+
+def smaps_rollup(pid: int) -> dict[str, int]:
+    """The kB fields of /proc/PID/smaps_rollup."""
+    values: dict[str, int] = {}
+    with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as fh:
+        for line in fh:
+            name, _, rest = line.partition(":")
+            parts = rest.split()
+            if len(parts) == 2 and parts[1] == "kB":
+                values[name] = int(parts[0])
+    return values
+
+
+class PreloadedGunicorn(Gunicorn):
+    def __init__(self, workers: int, env: dict[str, str]) -> None:
+        script = Path(sys.executable).parent / "gunicorn"
+        argv = [str(script) if script.exists() else "gunicorn", "-b", "127.0.0.1:0",
+                "-w", str(workers), "-k", "sync", "--no-control-socket", "--preload", APP]
+        self._launch(argv, dict(os.environ), env, ROOT, ())
+
+
+def start(kind: str, workers: int, heap_mb: float) -> Server:
+    env = {"BENCH_HEAP_MB": str(heap_mb)}
+    if kind == "gunicorn":
+        server: Server = PreloadedGunicorn(workers, env)
+        server.wait_text("Booting worker", 120)
+    else:
+        extra = ("--no-gc-freeze",) if kind == "forkserve --no-gc-freeze" else ()
+        server = Server("--preload", *extra, app=APP, workers=workers, env=env)
+        server.wait_ready(120)
+    wait_for(lambda: len(children(server.pid)) == workers, 120, f"{workers} workers")
+    return server
+
+
+def hit_every_worker(server: Server, path: str, times: int, workers: set[int]) -> None:
+    """Requests on fresh connections until each worker has answered ``times`` of them."""
+    served = dict.fromkeys(workers, 0)
+
+    def one() -> bool:
+        try:
+            pid = int(get(server.port, path).body)
+        except (OSError, ValueError):
+            return False  # (a worker still booting its listener: ask again)
+        served[pid] = served.get(pid, 0) + 1
+        return min(served[p] for p in workers) >= times
+
+    wait_for(one, 600, lambda: f"{times} answers of {path} from each worker, have {served}",
+             interval=0)
+
+
+def measure(server: Server, workers: set[int]) -> dict[str, float]:
+    rows = [smaps_rollup(pid) for pid in sorted(workers)]
+    arbiter = smaps_rollup(server.pid)
+    n = len(rows)
+    mb = 1024.0
+    return {
+        "rss": sum(r["Rss"] for r in rows) / n / mb,
+        "pss": sum(r["Pss"] for r in rows) / n / mb,
+        "uss": sum(r["Private_Clean"] + r["Private_Dirty"] for r in rows) / n / mb,
+        "total_pss": (sum(r["Pss"] for r in rows) + arbiter["Pss"]) / mb,
+    }
+
+
+def run(kind: str, workers: int, heap_mb: float, requests: int) -> dict[str, dict[str, float]]:
+    server = start(kind, workers, heap_mb)
+    try:
+        pids = set(children(server.pid))
+        hit_every_worker(server, "/", requests, pids)
+        warm = measure(server, pids)
+        hit_every_worker(server, "/collect", 1, pids)
+        collected = measure(server, pids)
+        assert set(children(server.pid)) == pids, "a worker was replaced during the run"
+        return {"warm": warm, "collected": collected}
+    finally:
+        try:
+            os.kill(server.pid, signal.SIGTERM)
+            server.proc.wait(30)
+        except (ProcessLookupError, OSError):
+            pass
+        server.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-w", "--workers", type=int, default=4)
+    parser.add_argument("--heap-mb", type=float, default=100.0)
+    parser.add_argument("--requests", type=int, default=200, help="per worker, to warm it")
+    args = parser.parse_args()
+    kinds = ("forkserve", "forkserve --no-gc-freeze", "gunicorn")
+    results = {kind: run(kind, args.workers, args.heap_mb, args.requests) for kind in kinds}
+    print(f"\n{args.workers} sync workers, --preload, ~{args.heap_mb:g} MB heap built at import; "
+          f"mean per worker in MB, and the PSS of arbiter + workers")
+    print("| server | phase | RSS | PSS | USS | total PSS |\n|---|---|---|---|---|---|")
+    for kind, phases in results.items():
+        for phase, label in (("warm", f"after {args.requests} requests each"),
+                             ("collected", "after a full gc.collect() in each")):
+            m = phases[phase]
+            print(f"| {kind} | {label} | {m['rss']:.1f} | {m['pss']:.1f} | {m['uss']:.1f} | "
+                  f"{m['total_pss']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    socket.setdefaulttimeout(30)
+    sys.exit(main())
