@@ -393,6 +393,8 @@ class Worker:
     #    once); the sync worker also releases its listeners and parked connections there
     #    (see SyncWorker._on_graceful), and ALRM goes on doing so while it stays busy;
     #  - USR2 (the drain deadline) raises RequestCancelled inside the live request;
+    #  - the sync worker's SIGALRM (--request-timeout) raises RequestTimedOut inside the live
+    #    request it times (see SyncWorker._on_alarm);
     #  - QUIT and the arbiter's timeout kill raise HardStop inside the live request.
     def _on_graceful(self, signum: int, frame: Any) -> None:
         self._enter(WorkerEvent.STOP)
@@ -524,6 +526,10 @@ class Worker:
         self.next_heartbeat = now + self.heartbeat_interval
         if self.recycles and self.state is WorkerState.RUNNING:
             self.check_recycle(now)
+            if self.retire_at and self.retire_at < self.next_heartbeat:
+                # The next check at the deadline itself, not up to an interval later: under
+                # load (the loops ask with every request) each worker leaves at its own time.
+                self.next_heartbeat = self.retire_at
         if self.drain_reported:
             self.counters.snapshot()
         else:

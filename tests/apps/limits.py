@@ -16,11 +16,14 @@ Routes
 - ``/stream-hang?out=&seconds=60``: a chunked response whose first chunk is sent, then it
   hangs (sleep in chunks) inside ``stream_hangs_after_first_chunk``.
 - anything else: the pid.
+
+``alarmed()``: a factory that installs the app's own SIGALRM handler, then returns ``app``.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from urllib.parse import parse_qs
 
@@ -105,3 +108,8 @@ def app(environ, start_response):
         start_response("200 OK", [("Content-Type", "text/plain")])
         return stream_hangs_after_first_chunk(out, float(q.get("seconds", "60")))
     return _respond(start_response, pid)
+
+
+def alarmed():
+    signal.signal(signal.SIGALRM, lambda signum, frame: None)
+    return app
