@@ -114,6 +114,23 @@ def test_workers_past_max_lifetime_are_replaced_each_at_its_own_time(server_fact
     print(f"\n[max-lifetime, {worker_class}] {load.summary()}; (age, jitter) {ages}")
 
 
+def test_a_limit_below_the_booted_worker_is_not_a_recycle_loop(server_factory: Any) -> None:
+    """Each replacement would be past it at once: the worker keeps serving, and says so."""
+    server = server_factory("--max-worker-rss", "1", "--timeout", "4", app=APP).wait_ready()
+    pids = worker_set(server, 2)
+    wait_for(lambda: server.count_log("past --max-worker-rss already once loaded") == 2, 10,
+             "one warning per worker")
+    for _ in range(20):
+        assert get(server.port, "/").status == 200
+    # Two heartbeats (1 s apart) later, nobody retired.
+    record = server.wait_log("past --max-worker-rss already once loaded")
+    assert record["rss_mib"] >= 1 and record["limit_mib"] == 1
+    deadline = time.monotonic() + 2.5
+    wait_for(lambda: time.monotonic() >= deadline, 5, "two heartbeats")
+    assert server.workers() and set(server.workers()) == pids
+    assert not retirements(server, "max-rss")
+
+
 # -- the request timeout ------------------------------------------------------------------------
 
 def timed_server(server_factory: Any, worker_class: str, access: Path, timeout: str = "1"
