@@ -489,10 +489,13 @@ class SyncWorker(Pipeline):
         # -- runs in a signal handler (see the list in base.py); raises only into the live
         # request that --request-timeout times, once.
         context = self.timed
-        if (context is not None and self.cancellable is context and not context.cancelled
-                and time.monotonic() >= self.timed_until - 0.001):
-            context.cancelled = context.timed_out = True
-            raise RequestTimedOut()
+        if context is not None and self.cancellable is context and not context.cancelled:
+            left = self.timed_until - time.monotonic()
+            if left <= 0.001:
+                context.cancelled = context.timed_out = True
+                raise RequestTimedOut()
+            if not self.queue_watch:  # (early, by the clocks' difference): the rest
+                signal.setitimer(signal.ITIMER_REAL, left)
         if self.queue_watch:
             self._check_queue()
 

@@ -16,6 +16,7 @@ Every wait is a deadline-bounded ``wait_for`` on a log line, a file or a respons
 from __future__ import annotations
 
 import re
+import signal
 import time
 import urllib.request
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import Server, get, wait_for, worker_set
+from tests.harness import Server, get, read_response, send_get, wait_for, worker_set
 from tests.load import Load
 
 APP = "tests.apps.limits:app"
@@ -222,6 +223,27 @@ def test_thread_request_in_one_long_c_call_is_cancelled_when_the_call_returns(
     assert "in slow_one_long_sleep" in record["traceback"]
     wait_for(lambda: lines(out) == ["entered", "cancelled RequestTimedOut", "shutdown"], 10,
              lambda: f"the app's cancel and its shutdown function, have {lines(out)}")
+
+
+def test_sync_timeout_fires_while_a_stop_watches_the_queue_on_the_same_alarm(
+        server_factory: Any, tmp_path: Path) -> None:
+    """TERM while the one sync worker is busy and clients are queued: its queue watch ticks
+    SIGALRM every 0.1 s, and the request's timeout still fires on those ticks; the queued
+    clients are served, the server exits cleanly."""
+    out, access = tmp_path / "out", tmp_path / "access.log"
+    server = timed_server(server_factory, "sync", access, timeout="2")
+    slow = send_get(server.port, f"/slow?out={out}&how=chunks&seconds=30", timeout=20)
+    wait_for(lambda: lines(out) == ["entered"], 10, "the slow request to begin")
+    queued = [send_get(server.port, "/", timeout=20) for _ in range(3)]
+    server.signal(signal.SIGTERM)
+    server.wait_log("Stopped accepting")
+    with slow:
+        assert read_response(slow, timeout=20).status == 504
+    for sock in queued:
+        with sock:
+            assert read_response(sock, timeout=20).status == 200
+    assert server.wait_exit(30) == 0
+    assert lines(out) == ["entered", "cancelled RequestTimedOut", "shutdown"]
 
 
 def test_timeout_is_off_in_a_sync_worker_whose_app_took_sigalrm(server_factory: Any,
