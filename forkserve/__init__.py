@@ -6,7 +6,8 @@ The application API:
   on running (also ``environ["forkserve.finish_request"]``).
 - ``forkserve.register_shutdown_function(fn, *args, **kwargs)``: run when the request ends,
   however it ends (normally, with an exception, or cancelled at the drain deadline).
-- ``forkserve.RequestCancelled``: raised inside a request cancelled at the drain deadline.
+- ``forkserve.RequestCancelled``: raised inside a request cancelled at the drain deadline, or
+  (as its subclass ``forkserve.RequestTimedOut``) past --request-timeout.
 - ``forkserve.background.submit(fn, *args, **kwargs)``: the worker's background pool.
 - ``forkserve.telemetry.span(name, **attributes)``: record a span (``--span-log``).
 """
@@ -14,8 +15,8 @@ The application API:
 __version__ = "0.1.0"
 
 from forkserve import background, telemetry  # noqa: E402  (public submodules)
-from forkserve.context import (RequestCancelled, finish_request,  # noqa: E402
+from forkserve.context import (RequestCancelled, RequestTimedOut, finish_request,  # noqa: E402
                                register_shutdown_function)
 
-__all__ = ["RequestCancelled", "__version__", "background", "finish_request",
+__all__ = ["RequestCancelled", "RequestTimedOut", "__version__", "background", "finish_request",
            "register_shutdown_function", "telemetry"]

@@ -397,6 +397,27 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_requests_jitter", _int(0), 0, "add up to this many requests at random per worker",
             flags=("--max-requests-jitter",), metavar="N"),
     # -- worker recycling and request limits (issue 15)
+    Setting("max_worker_rss", _int(0), 0,
+            "recycle a worker (gracefully: its replacement is spawned, it finishes what is in "
+            "flight) once its resident memory passes this many MiB, checked with each "
+            "heartbeat (at most once a second); 0 disables",
+            flags=("--max-worker-rss",), metavar="MiB"),
+    Setting("max_worker_rss_jitter", _int(0), 0,
+            "add up to this many MiB at random to each worker's --max-worker-rss, so that "
+            "workers growing alike are not all recycled at once",
+            flags=("--max-worker-rss-jitter",), metavar="MiB"),
+    Setting("max_worker_lifetime", _seconds, 0.0,
+            "recycle a worker (gracefully) this many seconds after it booted; 0 disables",
+            flags=("--max-worker-lifetime",), metavar="SECONDS"),
+    Setting("max_worker_lifetime_jitter", _seconds, 0.0,
+            "add up to this many seconds at random to each worker's --max-worker-lifetime",
+            flags=("--max-worker-lifetime-jitter",), metavar="SECONDS"),
+    Setting("request_timeout", _seconds, 0.0,
+            "thread, gevent and sync workers: a request still running this many seconds after "
+            "its head arrived is cancelled (RequestCancelled in the app, its shutdown functions "
+            "run, 504 if no response began, else the connection is closed), its stack is "
+            "logged, and the worker serves on; 0 disables",
+            flags=("--request-timeout",), metavar="SECONDS"),
     Setting("limit_request_line", _int(16), 8190, "longest request line (method, target and version) in bytes (else 414)",
             flags=("--limit-request-line",), metavar="BYTES"),
     Setting("limit_request_fields", _int(1), 100, "most header and trailer fields in a request (else 431)",

@@ -7,7 +7,8 @@ Owns: :class:`RequestContext` (one per request), the ``ContextVar`` that finds t
 - ``finish_request()`` ends the response for the client now (PHP-FPM's
   ``fastcgi_finish_request``); the request stays in flight until the app returns.
 - ``register_shutdown_function(fn, *args, **kwargs)``: run when the request ends — normally,
-  with an exception, or cancelled at the drain deadline — in registration order; an
+  with an exception, or cancelled at the drain deadline or by --request-timeout
+  (``RequestTimedOut``, a ``RequestCancelled``) — in registration order; an
   exception in one is logged and the next still runs.
 """
 
@@ -31,12 +32,21 @@ class RequestCancelled(BaseException):
         self.reason = reason
 
 
+class RequestTimedOut(RequestCancelled):
+    """The ``RequestCancelled`` of a request that ran past --request-timeout (catch
+    ``RequestCancelled`` for both). Raised without arguments where it is thrown into a
+    thread (an asynchronous exception can only be a class), so the reason is the class's."""
+
+    def __init__(self, reason: str = "cancelled: its --request-timeout passed") -> None:
+        super().__init__(reason)
+
+
 class NoRequest(RuntimeError):
     """forkserve.finish_request() or register_shutdown_function() outside a request."""
 
 
 class RequestContext:
-    __slots__ = ("finisher", "functions", "finished", "cancelled", "pool", "spans")
+    __slots__ = ("finisher", "functions", "finished", "cancelled", "timed_out", "pool", "spans")
 
     def __init__(self, finisher: Callable[[], None], pool: Any = None, spans: Any = None) -> None:
         self.finisher = finisher
@@ -44,7 +54,8 @@ class RequestContext:
         self.spans = spans  # the worker's span sink, or None (forkserve.telemetry.span)
         self.functions: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
         self.finished = False
-        self.cancelled = False
+        self.cancelled = False  # a cancel was sent into it (the drain's or the timeout's)
+        self.timed_out = False  # that cancel was --request-timeout's
 
     def finish(self) -> None:
         if not self.finished:

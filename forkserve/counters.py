@@ -26,7 +26,7 @@ class Kind(enum.IntEnum):
     BOOTED = 1  # the app is loaded, the worker is accepting
     SNAPSHOT = 2  # counters + heartbeat
     BOOT_ERROR = 3  # loading the app failed; followed by an error text
-    RETIRING = 4  # the worker is leaving on its own (max-requests, ...); reason text follows
+    RETIRING = 4  # the worker is leaving on its own; its text is retiring_text(reason, ...)
     DRAINING = 5  # the worker took the stop: from now on it reports every counter change
 
 
@@ -86,6 +86,22 @@ class Decoder:
             offset = end
         self._buffer = buffer[offset:]
         return records
+
+
+# Why a worker leaves on its own (a RETIRING record's reason): the limit it reached.
+RETIRE_REASONS = ("max-requests", "max-rss", "max-lifetime")
+
+
+def retiring_text(reason: str, description: str) -> str:
+    """A RETIRING record's text: the reason (one of RETIRE_REASONS), a tab, and what the
+    arbiter logs of it (the figure: requests served, the RSS, the age)."""
+    return f"{reason}\t{description}"
+
+
+def retiring_reason(text: str) -> tuple[str, str]:
+    """(reason, description) of a RETIRING record's text (no reason: max-requests)."""
+    reason, tab, description = text.partition("\t")
+    return (reason, description) if tab else ("max-requests", text)
 
 
 class Writer:

@@ -46,9 +46,10 @@ METHODS = frozenset(("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS",
 REQUESTS_HELP = "Requests answered, by method and status (server-side refusals included)"
 DURATION_HELP = "Time from a request's head to the end of its response, in seconds"
 CANCELLED_HELP = "Requests cancelled at the drain deadline"
+TIMED_OUT_HELP = "Requests cancelled by --request-timeout"
 RESTARTS_HELP = "Workers replaced, by reason"
 RELOADS_HELP = "Reloads (HUP) and in-place upgrades (USR2), by outcome"
-RESTART_REASONS = ("max_requests", "crashed", "timeout", "boot_failed")
+RESTART_REASONS = ("max_requests", "max_rss", "max_lifetime", "crashed", "timeout", "boot_failed")
 RELOAD_OUTCOMES = ("succeeded", "failed")
 # Dead workers' counters, histograms and summaries are folded into these (never gauges: those
 # follow their multiprocess_mode).
@@ -273,6 +274,9 @@ class Recorder:
         self.cancelled_at = self._entry(self.counts, counter_key(
             "forkserve_drain_cancelled_requests", {}, CANCELLED_HELP))
         self.cancelled_count = 0.0
+        self.timed_out_at = self._entry(self.counts, counter_key(
+            "forkserve_request_timeouts", {}, TIMED_OUT_HELP))
+        self.timed_out_count = 0.0
         self.lock = threading.Lock() if threaded else None
         if self.lock is not None:
             lock = self.lock
@@ -323,6 +327,14 @@ class Recorder:
             self.cancelled_count += 1.0
             at = self.cancelled_at
             self.counts._m[at:at + 8] = _DOUBLE(self.cancelled_count)
+
+
+    def timed_out(self) -> None:
+        """A request cancelled by --request-timeout (rare, as cancelled())."""
+        with self.lock or contextlib.nullcontext():
+            self.timed_out_count += 1.0
+            at = self.timed_out_at
+            self.counts._m[at:at + 8] = _DOUBLE(self.timed_out_count)
 
 
 _DOUBLE = struct.Struct("d").pack  # native, as prometheus_client's own files

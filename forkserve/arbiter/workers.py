@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from forkserve import signals as sigs
-from forkserve.counters import ExitCode, Kind, Record
+from forkserve.counters import ExitCode, Kind, Record, retiring_reason
 from forkserve.lifecycle import State
 from forkserve.arbiter.part import Part
 
@@ -38,7 +38,7 @@ class WorkerHandle:
     stopping: bool = False  # TERM or QUIT sent, or retiring on its own
     draining: bool = False  # it took the stop: its records now follow every change
     deaf: bool = False  # paused (TTOU): it closed its listeners for good; it serves no newcomer
-    retiring: str = ""  # why the worker leaves on its own (max-requests)
+    retiring: str = ""  # why the worker leaves on its own: its RETIRING text (retiring_reason)
     boot_error: str = ""
     imports_app: bool = True  # it loads the application itself (not --preload)
     kill_reason: str = ""
@@ -109,11 +109,12 @@ class WorkerHandle:
 
     def exit_reason(self) -> str:
         """Why a booted worker is gone, as the restart metric's reason: "timeout", "killed"
-        (escalated), "max_requests", "stopped" (asked to) or "crashed" (replace it)."""
+        (escalated), "max_requests", "max_rss", "max_lifetime" (it retired on its own: the
+        limit it reached), "stopped" (asked to) or "crashed" (replace it)."""
         if self.kill_reason:
             return "timeout" if self.kill_reason.startswith("a timeout") else "killed"
         if self.retiring:
-            return "max_requests"
+            return retiring_reason(self.retiring)[0].replace("-", "_")
         return "stopped" if self.stopping else "crashed"
 
     def boot_failure(self, status: int) -> tuple[str, int]:
@@ -277,10 +278,12 @@ class WorkerTable(Part):
                            reason=handle.kill_reason, **fields)
             if reason == "timeout":
                 self.count_restart("timeout")
-        elif reason == "max_requests":
-            self.log.info(f"{handle.describe()} retired: {handle.retiring}", reason="max-requests",
+        elif handle.retiring:
+            # One line per recycle, with the limit and the figure that reached it.
+            why, description = retiring_reason(handle.retiring)
+            self.log.info(f"{handle.describe()} retired: {description} ({why})", reason=why,
                           **fields)
-            self.count_restart("max_requests")
+            self.count_restart(reason)
         elif reason == "stopped":
             self.log.info(f"{handle.describe()} {how}", reason="stopped", **fields)
         else:

@@ -24,7 +24,7 @@ from setproctitle import setproctitle
 from forkserve import signals as sigs
 from forkserve.background import BackgroundPool
 from forkserve.context import RequestCancelled, RequestContext
-from forkserve.counters import ExitCode, Kind, Writer
+from forkserve.counters import ExitCode, Kind, Writer, retiring_text
 from forkserve.http import Limits
 from forkserve.loader import AppLoadError, load_app
 from forkserve.logs import Log
@@ -51,7 +51,7 @@ class WorkerState(enum.Enum):
 class WorkerEvent(enum.Enum):
     BOOTED = "the app is loaded"
     STOP = "TERM or INT"  # graceful, from the arbiter
-    RETIRE = "max-requests reached"  # graceful, on its own
+    RETIRE = "a recycling limit reached"  # graceful, on its own: max-requests, -rss, -lifetime
     ARBITER_GONE = "the arbiter is gone"
     CANCEL = "USR2: the drain deadline passed"
     HALT = "QUIT, or the arbiter's timeout kill"
@@ -99,6 +99,11 @@ class WorkerSettings:
     timeout: float
     max_requests: int
     max_requests_jitter: int
+    max_worker_rss: int  # MiB
+    max_worker_rss_jitter: int
+    max_worker_lifetime: float
+    max_worker_lifetime_jitter: float
+    request_timeout: float
     access_log: str | None
     access_log_format: str
     span_log: str | None
@@ -173,6 +178,19 @@ class Worker:
         if limit and settings.max_requests_jitter:
             limit += random.randint(0, settings.max_requests_jitter)
         self.max_requests = limit
+        # Recycling by memory and by age (see check_recycle): each worker draws its own
+        # jitter, so that workers that grow alike, or booted together, do not all leave at
+        # once. The age counts from the boot (set in _boot).
+        rss = settings.max_worker_rss
+        if rss and settings.max_worker_rss_jitter:
+            rss += random.randint(0, settings.max_worker_rss_jitter)
+        self.rss_limit = rss * MIB
+        self.lifetime = settings.max_worker_lifetime
+        if self.lifetime and settings.max_worker_lifetime_jitter:
+            self.lifetime += random.uniform(0.0, settings.max_worker_lifetime_jitter)
+        self.retire_at = 0.0  # monotonic; 0: no lifetime limit
+        self.statm = -1  # /proc/self/statm, opened at boot when rss_limit is set
+        self.recycles = bool(self.rss_limit or self.lifetime)  # checked with each heartbeat
         self.wakeup_r = self.wakeup_w = -1
         self.arbiter_pid = os.getppid()  # (built in the child, right after the fork)
 
@@ -315,9 +333,42 @@ class Worker:
                     self.log.exception("Application load failed", exc.__cause__)
                 return False
         self._open_span_sinks()
+        self._arm_recycling()
         self.counters.send(Kind.BOOTED)
         self.next_heartbeat = time.monotonic() + self.heartbeat_interval
         return True
+
+    def _arm_recycling(self) -> None:
+        """--max-worker-lifetime counts from now (the app is loaded); --max-worker-rss reads
+        /proc/self/statm, kept open (a pread per check). A worker whose RSS is already past
+        its limit once loaded would be recycled at once, and so would each replacement: a
+        fork loop. So it keeps serving without the limit, and says so."""
+        if self.lifetime:
+            self.retire_at = time.monotonic() + self.lifetime
+        if not self.rss_limit:
+            return
+        try:
+            self.statm = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            self.log.warning("Cannot read this worker's memory: --max-worker-rss is off",
+                             worker=self.worker_id, error=exc.strerror)
+            self.rss_limit = 0
+        else:
+            rss = self.rss()
+            if rss >= self.rss_limit:
+                self.log.warning(
+                    "This worker's memory is past --max-worker-rss already once loaded; "
+                    "it is not recycled for its memory (raise the limit)",
+                    worker=self.worker_id, rss_mib=rss // MIB, limit_mib=self.rss_limit // MIB)
+                self.rss_limit = 0
+        self.recycles = bool(self.rss_limit or self.lifetime)
+
+    def rss(self) -> int:
+        """This worker's resident set size in bytes (one pread of /proc/self/statm: ~1 µs)."""
+        try:
+            return int(os.pread(self.statm, 64, 0).split()[1]) * PAGE_SIZE
+        except (OSError, IndexError, ValueError):
+            return 0
 
     def _open_span_sinks(self) -> None:
         """After the app is loaded: it may have set up OpenTelemetry, whose buffered spans
@@ -344,6 +395,8 @@ class Worker:
     #    once); the sync worker also releases its listeners and parked connections there
     #    (see SyncWorker._on_graceful), and ALRM goes on doing so while it stays busy;
     #  - USR2 (the drain deadline) raises RequestCancelled inside the live request;
+    #  - the sync worker's SIGALRM (--request-timeout) raises RequestTimedOut inside the live
+    #    request it times (see SyncWorker._on_alarm);
     #  - QUIT and the arbiter's timeout kill raise HardStop inside the live request.
     def _on_graceful(self, signum: int, frame: Any) -> None:
         self._enter(WorkerEvent.STOP)
@@ -478,6 +531,12 @@ class Worker:
 
     def heartbeat(self, now: float) -> None:
         self.next_heartbeat = now + self.heartbeat_interval
+        if self.recycles and self.state is WorkerState.RUNNING:
+            self.check_recycle(now)
+            if self.retire_at and self.retire_at < self.next_heartbeat:
+                # The next check at the deadline itself, not up to an interval later: under
+                # load (the loops ask with every request) each worker leaves at its own time.
+                self.next_heartbeat = self.retire_at
         if self.drain_reported:
             self.counters.snapshot()
         else:
@@ -487,9 +546,33 @@ class Worker:
         counters = self.counters
         counters.requests_served += 1
         if self.max_requests and counters.requests_served >= self.max_requests:
-            if self._enter(WorkerEvent.RETIRE):
-                self.retire_reason = "max-requests"
-                counters.send(Kind.RETIRING, f"served {counters.requests_served} requests (max-requests)")
+            self.retire("max-requests", f"served {counters.requests_served} requests")
+
+    def check_recycle(self, now: float) -> None:
+        """With each heartbeat (at most once per heartbeat interval, never per request): past
+        --max-worker-lifetime, or --max-worker-rss? Then retire, as at --max-requests."""
+        if self.retire_at and now >= self.retire_at:
+            jitter = self.lifetime - self.settings.max_worker_lifetime
+            self.retire("max-lifetime", f"up {now - self.retire_at + self.lifetime:.1f}s, past "
+                        f"--max-worker-lifetime {self.settings.max_worker_lifetime:g}s"
+                        f" (+{jitter:.1f}s jitter)")
+        elif self.rss_limit:
+            rss = self.rss()
+            if rss >= self.rss_limit:
+                jitter = self.rss_limit // MIB - self.settings.max_worker_rss
+                self.retire("max-rss", f"RSS {rss / MIB:.0f} MiB, past --max-worker-rss "
+                            f"{self.settings.max_worker_rss} MiB (+{jitter} MiB jitter)")
+
+    def retire(self, reason: str, description: str) -> None:
+        """Leave on my own, gracefully (``reason``: one of counters.RETIRE_REASONS): stop
+        taking clients (the kernel's queue stays with the others), finish what is in flight,
+        exit; the arbiter spawns the replacement as soon as it reads the RETIRING record, and
+        logs one line with ``description``."""
+        if self.state is not WorkerState.RUNNING:
+            return
+        self.retire_reason = reason
+        if self._enter(WorkerEvent.RETIRE):
+            self.counters.send(Kind.RETIRING, retiring_text(reason, description))
 
     def _flush_telemetry(self) -> None:
         if self.access_log is not None:
@@ -498,6 +581,10 @@ class Worker:
         if self.spans is not None:
             self.spans.close()
             self.spans = None
+
+
+MIB = 1 << 20
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
 def drain_pipe(fd: int) -> None:

@@ -21,12 +21,13 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 import time
 import warnings
 from dataclasses import replace
 from typing import Any
 
-from forkserve.context import RequestCancelled
+from forkserve.context import RequestCancelled, RequestContext, RequestTimedOut
 from forkserve.sockets import Listener
 from forkserve.workers.base import HardStop, WorkerEvent, WorkerState, drain_pipe
 from forkserve.workers.connection import Abandoned, Connection
@@ -95,6 +96,7 @@ class GeventWorker(Pipeline):
         self.acceptors = [gevent.spawn(self._acceptor, listener) for listener in self.listeners]
         ticker = gevent.spawn(self._ticker)
         watcher = gevent.spawn(self._watch_arbiter)
+        timer = gevent.spawn(self._request_timer) if self.request_timeout else None
         try:
             gevent.joinall(self.acceptors)
             if self.state is RUNNING:
@@ -107,6 +109,8 @@ class GeventWorker(Pipeline):
         finally:
             ticker.kill(block=False)
             watcher.kill(block=False)
+            if timer is not None:
+                timer.kill(block=False)
             for listener in self.listeners:
                 listener.sock.close()
 
@@ -184,6 +188,31 @@ class GeventWorker(Pipeline):
             self.write_telemetry()
             self.heartbeat(time.monotonic())
 
+    def _request_timer(self) -> None:
+        """--request-timeout: sleeps until the next timed request's deadline (never longer
+        than the timeout itself: a request that begins meanwhile ends no sooner), and throws
+        RequestTimedOut into each overdue request's greenlet. Like any greenlet, it runs only
+        when the others yield: a request computing without a pause holds the whole worker
+        (and its heartbeat: --timeout ends that), and is cancelled at its next wait."""
+        gevent = self._gevent
+        hub = gevent.get_hub()
+        while True:
+            now = time.monotonic()
+            for context, conn in self.overdue_requests(now):
+                # Thrown from the hub's next turn (as Greenlet.kill does), and only if the
+                # request is still the same by then: it may have ended in this very turn.
+                hub.loop.run_callback(self._throw_timeout, context, conn.owner)
+            gevent.sleep(max(self.next_request_deadline(now) - now, 0.0) + 0.001)
+
+    def _throw_timeout(self, context: RequestContext, owner: Any) -> None:
+        # -- runs in the hub
+        if context not in self.fired or owner.dead:
+            return
+        try:
+            owner.throw(RequestTimedOut())
+        except BaseException:  # noqa: BLE001 - as gevent's own kill: the hub reports it
+            owner.parent.handle_error(owner, *sys.exc_info())
+
     def _watch_arbiter(self) -> None:
         from gevent.socket import wait_read
 
@@ -208,6 +237,10 @@ class GeventWorker(Pipeline):
         # Every wait on a client wakes and applies the stop's graces itself (Pipeline.interrupted).
         self.signal_stop()
         self.told_to_stop.set()
+
+    def retire(self, reason: str, description: str) -> None:
+        super().retire(reason, description)
+        self._wake_acceptors()  # (from the ticker's heartbeat too: the acceptors must notice)
 
     def request_done(self) -> None:
         super().request_done()

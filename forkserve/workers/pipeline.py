@@ -24,7 +24,7 @@ import socket
 import time
 from typing import Any, NoReturn
 
-from forkserve.context import CURRENT, RequestCancelled, RequestContext
+from forkserve.context import CURRENT, RequestCancelled, RequestContext, RequestTimedOut
 from forkserve.http import HTTPError, Request
 from forkserve.http.proxy_protocol import ProxyProtocolError
 from forkserve.http.response import DateCache, reason_phrase, simple_response
@@ -103,6 +103,12 @@ class Pipeline(Worker):
         self.accept_troubled = False  # accept() failed, and no line has said it works again
         self.accept_logged_at = -ACCEPT_LOG_INTERVAL
         self.upgrade_refused_logged = False
+        # --request-timeout (0: off; a class that cannot apply it turns it off): the requests
+        # in the application, in the order they began, so in the order their time is up
+        # (see time_request), and those a timeout was sent into that have not ended yet.
+        self.request_timeout = self.settings.request_timeout
+        self.timing: dict[RequestContext, tuple[float, Connection]] = {}
+        self.fired: set[RequestContext] = set()
 
     def setup_http(self) -> None:
         """What every request on this worker shares: the Date cache, header keys, environs."""
@@ -598,10 +604,13 @@ class Pipeline(Worker):
                 environ.get("HTTP_X_REQUEST_ID"))
         status = 0
         keep = False
+        timed = self.request_timeout
         token = CURRENT.set(context)
         self.in_request = True
         try:
             self.cancellable = context
+            if timed:
+                self.time_request(context, conn)
             keep = self._run_app(exchange, environ)
             status = exchange.status_code
         except ClientGone:
@@ -610,6 +619,8 @@ class Pipeline(Worker):
             status = self._fail(conn, exchange, exc.status, None)
         except UpgradeRefused:  # (the sync worker: one line, not a traceback per try)
             status = self._fail(conn, exchange, 501, None)
+        except RequestTimedOut as exc:
+            status = self._timed_out(conn, exchange, environ, exc)
         except (RequestCancelled, Abandoned) as exc:
             # Abandoned: a wait on the request body, ended by the cancel.
             self.log.warning("Request cancelled", reason=str(exc) or "cancelled",
@@ -625,6 +636,13 @@ class Pipeline(Worker):
             status = self._fail(conn, exchange, 500, None if quiet else exc)
         finally:
             self.cancellable = None
+            if timed:
+                try:
+                    self.untime_request(context)
+                except RequestTimedOut:
+                    # (A thread's) timeout sent as the request was ending landed here, before
+                    # untime_request could clear it: taken, the request ends as it was.
+                    self.untime_request(context)
             self.in_request = False
             context.run_shutdown_functions(self.log)
             CURRENT.reset(token)
@@ -665,6 +683,60 @@ class Pipeline(Worker):
             self.log.warning("Connection upgrade (WebSocket) refused", reason=self.upgrade_refusal,
                              worker=self.worker_id)
         raise UpgradeRefused(self.upgrade_refusal)
+
+    # -- --request-timeout ----------------------------------------------------------------
+    # A request is timed from the moment the application is called (its head is in) to the
+    # end of its response. Who watches the time, and how the cancel reaches the request, is
+    # the worker class's (thread: the poll loop, an asynchronous exception; gevent: a timer
+    # greenlet, a throw into the request's greenlet; sync: SIGALRM); what the request then
+    # sees and the client gets is this class's (_timed_out).
+    def time_request(self, context: RequestContext, conn: Connection) -> None:
+        """The request begins: its time is up --request-timeout from now."""
+        self.timing[context] = (time.monotonic() + self.request_timeout, conn)
+
+    def untime_request(self, context: RequestContext) -> None:
+        """The request ends (first thing, before its shutdown functions): no timeout now."""
+        self.timing.pop(context, None)
+        self.fired.discard(context)
+
+    def next_request_deadline(self, now: float) -> float:
+        """When the first timed request's time is up; with none, the earliest a request
+        that begins now could time out (a watch that waits no longer misses none)."""
+        for deadline, _ in self.timing.values():
+            return deadline  # the first to begin is the first to time out
+        return now + self.request_timeout
+
+    def overdue_requests(self, now: float) -> list[tuple[RequestContext, Connection]]:
+        """Take the requests whose time is up: each is then ``fired`` until it ends (the
+        caller sends it the cancel). One cancel per request, never two."""
+        overdue = []
+        for context, (deadline, conn) in self.timing.items():
+            if deadline > now:
+                break
+            overdue.append((context, conn))
+        for context, conn in overdue:
+            del self.timing[context]
+            if conn.taken:
+                continue  # a WebSocket (the app took the socket): it lasts as long as it lasts
+            if not context.cancelled:  # (the drain's cancel came first)
+                context.cancelled = context.timed_out = True
+                self.fired.add(context)
+        return [(context, conn) for context, conn in overdue if context in self.fired]
+
+    def _timed_out(self, conn: Connection, exchange: Exchange, environ: dict[str, Any],
+                   exc: RequestTimedOut) -> int:
+        """A request cancelled by --request-timeout: one error record with the traceback of
+        where it was (its frames from the app down to the wait or the line it was in), then
+        a 504 if no response began, else the connection is closed: the client sees a
+        truncated response, never a complete-looking one."""
+        request = exchange.request
+        self.log.exception(f"Request cancelled: it ran past --request-timeout "
+                           f"({self.request_timeout:g}s)", exc, method=request.method,
+                           target=environ["RAW_URI"], worker=self.worker_id,
+                           response_begun=exchange.headers_sent)
+        if self.metrics is not None:
+            self.metrics.timed_out()
+        return self._fail(conn, exchange, 504, None)
 
     def _finish_early(self, conn: Connection, exchange: Exchange) -> None:
         """forkserve.finish_request(): the response ends for the client now. The connection

@@ -29,6 +29,7 @@ import socket
 import time
 from typing import Any
 
+from forkserve.context import RequestContext, RequestTimedOut
 from forkserve.sockets import Listener, accept_queue_length, queued_clients
 from forkserve.workers.base import WorkerState
 from forkserve.workers.connection import Connection
@@ -61,9 +62,13 @@ class SyncWorker(Pipeline):
         # the time it may take until.
         self.pending: dict[int, tuple[Connection, Listener, float]] = {}
         self.limit = self.settings.max_connections or 1000  # connections held, pending ones too
+        self.timed: RequestContext | None = None  # the request --request-timeout watches
+        self.timed_until = 0.0  # (monotonic) when its time is up
 
     def serve(self) -> None:
         self.setup_http()
+        if self.request_timeout:
+            self._take_alarm()
         # The listeners alone: the zero-timeout "is anyone waiting?" check.
         self.waiting_poll = select.poll()
         # Everything that can end a wait: listeners, signals, the arbiter's death.
@@ -457,6 +462,47 @@ class SyncWorker(Pipeline):
         # Past the deadline (or a hard stop) no new request is taken.
         return self.state is WorkerState.STOPPING and conn.readable_now()
 
+    # -- --request-timeout: SIGALRM -----------------------------------------------------------
+    # The worker's one thread runs the request, so only a signal reaches it: SIGALRM, armed
+    # (setitimer) when the app is called, disarmed when the request ends. Its handler raises
+    # RequestTimedOut in the request (like USR2's cancel): from the line the app is at, or
+    # from a blocking call the signal interrupts (a sleep, a socket wait: PEP 475 retries
+    # one only when the handler returns). The same handler serves the stop's queue watch
+    # (_watch_queue); while that ticks every 0.1 s, the timer is left to it.
+    def _take_alarm(self) -> None:
+        """SIGALRM is ours for the timeout unless the application took it (at import)."""
+        if signal.getsignal(signal.SIGALRM) is not signal.SIG_DFL:
+            self.log.warning("--request-timeout is off in this sync worker: the application "
+                             "handles SIGALRM itself", worker=self.worker_id)
+            self.request_timeout = 0.0
+            return
+        signal.signal(signal.SIGALRM, self._on_alarm)
+
+    def time_request(self, context: RequestContext, conn: Connection) -> None:
+        self.timed_until = time.monotonic() + self.request_timeout
+        self.timed = context
+        if not self.queue_watch:
+            signal.setitimer(signal.ITIMER_REAL, self.request_timeout)
+
+    def untime_request(self, context: RequestContext) -> None:
+        self.timed = None  # first: an alarm from now on finds nothing to cancel
+        if not self.queue_watch:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    def _on_alarm(self, signum: int, frame: Any) -> None:
+        # -- runs in a signal handler (see the list in base.py); raises only into the live
+        # request that --request-timeout times, once.
+        context = self.timed
+        if context is not None and self.cancellable is context and not context.cancelled:
+            left = self.timed_until - time.monotonic()
+            if left <= 0.001:
+                context.cancelled = context.timed_out = True
+                raise RequestTimedOut()
+            if not self.queue_watch:  # (early, by the clocks' difference): the rest
+                signal.setitimer(signal.ITIMER_REAL, left)
+        if self.queue_watch:
+            self._check_queue()
+
     # -- signal handlers: a busy worker at a stop ------------------------------------------
     # -- runs in a signal handler (see the list in base.py): TERM half-closes parked idle
     # keep-alive connections quiet for the close grace and, when the worker is inside a
@@ -494,19 +540,24 @@ class SyncWorker(Pipeline):
         listener, so that new clients are refused rather than left retrying their SYNs
         against a queue that refuses them until this worker's request ends; and it closes its
         parked idle connections once their close grace is over. Only where the application
-        leaves SIGALRM alone."""
+        leaves SIGALRM alone (--request-timeout's timer shares it: see _on_alarm)."""
         if on and not self.queue_watch:
-            if signal.getsignal(signal.SIGALRM) is not signal.SIG_DFL:
+            handler = signal.getsignal(signal.SIGALRM)
+            if handler is not signal.SIG_DFL and handler != self._on_alarm:
                 return  # the application's own: leave it (the loop closes after the request)
             signal.signal(signal.SIGALRM, self._on_alarm)
             signal.setitimer(signal.ITIMER_REAL, 0.1, 0.1)
             self.queue_watch = True
         elif not on and self.queue_watch:
             signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)
             self.queue_watch = False
+            if not self.request_timeout:
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            elif self.timed is not None:  # the request's own timer again, for what is left
+                signal.setitimer(signal.ITIMER_REAL,
+                                 max(self.timed_until - time.monotonic(), 0.001))
 
-    def _on_alarm(self, signum: int, frame: Any) -> None:
+    def _check_queue(self) -> None:
         """When for 0.3 s the queue has not shrunk (no other worker is free to take those
         clients), a busy worker takes them itself (they would wait for it either way) and
         closes its listeners, so that new clients are refused rather than kept retrying

@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Any
 
-from forkserve.context import RequestCancelled
+from forkserve.context import RequestCancelled, RequestContext, RequestTimedOut
 from forkserve.sockets import Listener
 from forkserve.workers.base import WorkerEvent, WorkerState, drain_pipe
 from forkserve.workers.connection import Abandoned, Connection
@@ -96,6 +96,7 @@ class ThreadWorker(Pipeline):
         self.listening = False
         self.idle_stopped = False  # the stop's graces were applied to the idle connections
         self.main_ident = threading.get_ident()
+        self.timing_lock = threading.Lock()  # the timed requests (--request-timeout)
         try:
             self._loop_threads()
         finally:
@@ -153,6 +154,8 @@ class ThreadWorker(Pipeline):
                 timeout = min(timeout, max(min(g[1] for g in self.lingering.values()) - now, 0))
             if pause:
                 timeout = min(timeout, pause)
+            if self.request_timeout:
+                timeout = min(timeout, max(self.next_request_deadline(now) - now, 0))
             for fd, _ in self.poller.poll(timeout * 1000.0 + 1):
                 if fd == self.wakeup_r:
                     self.handle_wakeups()
@@ -173,6 +176,8 @@ class ThreadWorker(Pipeline):
                 self.end_writes(time.monotonic())
             if self.lingering:
                 self.end_lingering(time.monotonic())
+            if self.request_timeout:
+                self._cancel_overdue(time.monotonic())
 
     def _accept_into_pool(self, listener: Listener) -> None:
         while self.counters.active_connections < self.limit:
@@ -406,6 +411,36 @@ class ThreadWorker(Pipeline):
             self._release(conn, linger=ending is Ending.LINGER)
 
     # -- cancellation ------------------------------------------------------------------------
+    # --request-timeout: the poll loop watches the timed requests (its wait is never longer
+    # than the time to the next one's deadline, see next_request_deadline) and sends an overdue
+    # one RequestTimedOut in its thread, as the drain's cancel does. The lock makes "still in
+    # the app?" and the send one step, against the request ending in its thread meanwhile.
+    def time_request(self, context: RequestContext, conn: Connection) -> None:
+        # -- runs in a pool thread
+        with self.timing_lock:
+            super().time_request(context, conn)  # (its deadline read under the lock: in order)
+
+    def untime_request(self, context: RequestContext) -> None:
+        # -- runs in a pool thread
+        with self.timing_lock:
+            super().untime_request(context)
+            if context.timed_out:
+                # Sent just as the request was ending, the exception may still be pending in
+                # this thread: cleared (NULL), it cannot land in what the thread does next.
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()),
+                                                           None)
+
+    def next_request_deadline(self, now: float) -> float:
+        with self.timing_lock:
+            return super().next_request_deadline(now)
+
+    def _cancel_overdue(self, now: float) -> None:
+        with self.timing_lock:
+            for _, conn in self.overdue_requests(now):
+                if conn.owner is not None:
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(conn.owner),
+                                                               ctypes.py_object(RequestTimedOut))
+
     def _on_cancel(self, signum: int, frame: Any) -> None:
         """USR2 (the drain deadline): RequestCancelled in every thread serving a request; a
         thread waiting on its client is woken by the stop pipe (one atomic write)."""
