@@ -310,3 +310,21 @@ def test_an_idle_websocket_does_not_stop_the_heartbeat(server_factory: Any,
         assert server.count_log("timed out") == 0
     finally:
         finish(ws)
+
+
+@by_class
+def test_request_timeout_leaves_a_websocket_alone(server_factory: Any, worker_class: str) -> None:
+    """--request-timeout cuts a request that runs too long, not a WebSocket (the app took the
+    socket; it lasts as long as its client keeps it). An HTTP request begun after the
+    WebSocket times out: by then the WebSocket's own deadline has passed and was looked at."""
+    server = start(server_factory, worker_class, "wsgi", "--request-timeout", "0.5")
+    ws = connect(server)
+    try:
+        echo(ws, "before")
+        slow = get(server.port, "/sleep?ms=1500", timeout=20)
+        assert slow.status == 504, slow.status
+        server.wait_log("ran past --request-timeout")
+        echo(ws, "after")
+        assert server.count_log("ran past --request-timeout") == 1, server.log_text()
+    finally:
+        finish(ws)
