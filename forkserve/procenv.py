@@ -35,9 +35,16 @@ class ProcessEnv:
             self.before.setdefault(key, os.environ.get(key))
             os.environ[key] = value
         paths = list(dict.fromkeys(os.path.abspath(p) for p in pythonpath))
-        # First, even where a directory was on the path already (from PYTHONPATH): what the
-        # operator asked for is found before anything else.
-        sys.path[:] = paths + [p for p in sys.path if p not in paths]
+        if paths:
+            # First, even where a directory was on the path already (from PYTHONPATH): what
+            # the operator asked for is found before anything else, the current directory
+            # (which forkserve.loader otherwise puts first, as python -m does) included, as
+            # gunicorn has it.
+            rest = [p for p in sys.path if p not in paths]
+            here = os.getcwd()
+            if here not in rest and "" not in rest:
+                rest.insert(0, here)
+            sys.path[:] = paths + rest
         self.paths = paths
 
     def pristine(self) -> dict[str, str]:
