@@ -104,8 +104,8 @@ def _worker_class(value: Any) -> str:
 def _cert_reqs(value: Any) -> str:
     """none, optional or required; or gunicorn's numbers for them (ssl.CERT_NONE is 0...)."""
     text = str(value).strip().lower()
-    return {"0": "none", "1": "optional", "2": "required"}.get(text) or \
-        _choice("none", "optional", "required")(text)
+    numbers = {"0": "none", "1": "optional", "2": "required"}
+    return numbers[text] if text in numbers else _choice("none", "optional", "required")(text)
 
 
 def _env_pairs(value: Any) -> dict[str, str]:
