@@ -16,7 +16,8 @@ from typing import Any, Sequence
 from setproctitle import setproctitle
 
 from forkserve import __version__
-from forkserve.config import ConfigError, parse_args, provenance, resolve, unknown_env
+from forkserve.config import (ENV_PREFIX, ConfigError, parse_args, provenance, resolve,
+                              unknown_env)
 from forkserve.counters import ExitCode
 from forkserve.gunicorn_flags import GUNICORN_CONFIG, python_config_advice
 from forkserve.handover import Handover, take
@@ -70,6 +71,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for level, message, fields in config.notes:  # GUNICORN_CMD_ARGS, gunicorn flags ignored
         (log.info if level == "info" else log.warning)(message, **fields)
     _warn_unread_gunicorn_config(config, start_cwd, log)
+    for name in unknown_env(os.environ):
+        log.warning("Unknown setting in the environment, ignored", variable=name)
+    for name in (key for key in config.env if key.startswith(ENV_PREFIX)):
+        log.warning(f"-e {name}: set for the application only; forkserve's own settings "
+                    f"were read before -e applies", variable=name)
     if print_config:
         _print_config(config)
         return ExitCode.OK
@@ -91,8 +97,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as exc:
             _say(f"error: {flag} {path}: {open_error(path, exc)}")
             return ExitCode.USAGE
-    for name in unknown_env(os.environ):
-        log.warning("Unknown setting in the environment, ignored", variable=name)
     tls = None
     if config.certfile:
         from forkserve.tls import TLSError, build_context  # (ssl only when TLS is on)

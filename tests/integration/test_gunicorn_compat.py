@@ -254,3 +254,8 @@ def test_env_is_applied_again_not_carried_over_by_hup_and_usr2(server_factory: A
                         "the new image's workers alone")
     check(upgraded)
     assert server.count_log("Set for the application") == 2, "applied at each start, once"
+    warned = [r for r in server.records() if r.get("message", "").startswith("-e FORKSERVE_")]
+    assert sorted({r["variable"] for r in warned}) == ["FORKSERVE_MAX_REQUESTS",
+                                                       "FORKSERVE_PROC_NAME"]
+    assert warned[0]["message"] == ("-e FORKSERVE_PROC_NAME: set for the application only; "
+                                    "forkserve's own settings were read before -e applies")
