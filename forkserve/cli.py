@@ -8,6 +8,7 @@ broken deploy from a crash), 3 when workers die while booting, 1 for anything el
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import sys
 from typing import Any, Sequence
@@ -15,8 +16,10 @@ from typing import Any, Sequence
 from setproctitle import setproctitle
 
 from forkserve import __version__
-from forkserve.config import ConfigError, parse_args, resolve, unknown_env
+from forkserve.config import (ENV_PREFIX, ConfigError, parse_args, provenance, resolve,
+                              unknown_env)
 from forkserve.counters import ExitCode
+from forkserve.gunicorn_flags import GUNICORN_CONFIG, python_config_advice
 from forkserve.handover import Handover, take
 from forkserve.loader import AppLoadError, load_app, os_exit_reported
 from forkserve.logs import Log, open_error, probe_append
@@ -25,6 +28,7 @@ from forkserve.control import ControlError
 from forkserve.sockets import BindError
 from forkserve.metrics import ENV as METRICS_ENV
 from forkserve.metrics import Store, prepare_directory
+from forkserve.procenv import ProcessEnv
 
 
 def _say(message: str) -> None:
@@ -45,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start_cwd = os.getcwd()
     try:
         cli, check = parse_args(args, __version__)
+        print_config = bool(cli.pop("print_config", False))
         config = resolve(cli, os.environ)
     except ConfigError as exc:
         _say(f"error: {exc}")
@@ -58,10 +63,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.umask is not None:
         os.umask(config.umask)  # before any file or socket is made (the workers inherit it)
     try:
-        log = Log(config.error_log, config.log_level, config.log_format)
+        # (--print-config writes nothing but its output: its notes go to stderr)
+        log = Log("-" if print_config else config.error_log, config.log_level, config.log_format)
     except OSError as exc:
         _say(f"error: --error-log {config.error_log}: {open_error(config.error_log, exc)}")
         return ExitCode.USAGE
+    for level, message, fields in config.notes:  # GUNICORN_CMD_ARGS, gunicorn flags ignored
+        (log.info if level == "info" else log.warning)(message, **fields)
+    _warn_unread_gunicorn_config(config, start_cwd, log)
+    for name in unknown_env(os.environ):
+        log.warning("Unknown setting in the environment, ignored", variable=name)
+    for name in (key for key in config.env if key.startswith(ENV_PREFIX)):
+        log.warning(f"-e {name}: set for the application only; forkserve's own settings "
+                    f"were read before -e applies", variable=name)
+    if print_config:
+        _print_config(config)
+        return ExitCode.OK
+    # Before anything of the app is loaded (a --preload app, --check's import); the workers
+    # inherit both at fork.
+    process_env = ProcessEnv()
+    process_env.apply(config.env, config.pythonpath)
+    if config.env or config.pythonpath:
+        log.info("Set for the application", env=",".join(config.env),
+                 pythonpath=",".join(process_env.paths))
     # The workers open these after fork (before dropping privileges, so as the user we are
     # now): one that cannot be opened is a configuration error to tell here, once, not a
     # traceback from every worker and a boot failure.
@@ -73,8 +97,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as exc:
             _say(f"error: {flag} {path}: {open_error(path, exc)}")
             return ExitCode.USAGE
-    for name in unknown_env(os.environ):
-        log.warning("Unknown setting in the environment, ignored", variable=name)
     tls = None
     if config.certfile:
         from forkserve.tls import TLSError, build_context  # (ssl only when TLS is on)
@@ -120,14 +142,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if removed:
             log.info("Removed metric files of an earlier run", directory=path, files=removed)
     try:
-        return _serve(config, cli, args, start_cwd, handover, store, log, tls)
+        return _serve(config, cli, args, start_cwd, handover, store, log, tls, process_env)
     finally:
         if store is not None:
             store.close()  # after an in-place upgrade's exec this never runs: the new image keeps it
 
 
 def _serve(config: Config, cli: dict[str, Any], args: list[str], start_cwd: str,
-           handover: Handover | None, store: Any, log: Log, tls: Any) -> int:
+           handover: Handover | None, store: Any, log: Log, tls: Any,
+           process_env: ProcessEnv) -> int:
     app = None
     if config.preload:
         try:
@@ -159,15 +182,65 @@ def _serve(config: Config, cli: dict[str, Any], args: list[str], start_cwd: str,
     except OSError as exc:
         log.error(f"cannot write pidfile {config.pidfile}: {exc.strerror}")
         return ExitCode.ERROR
-    setproctitle(f"forkserve: arbiter [{config.app}]")
+    setproctitle(f"forkserve: arbiter [{config.proc_name or config.app}]")
     try:
         arbiter = Arbiter(config, cli, listeners, log, app, inherited=handover, argv=args,
                           cwd=start_cwd, notifier=Notifier(os.environ), status_sock=status_sock,
-                          status_deferred=status_deferred, metrics=store, tls=tls)
+                          status_deferred=status_deferred, metrics=store, tls=tls,
+                          process_env=process_env)
         return arbiter.run()
     finally:
         if pidfile is not None:
             pidfile.remove()
+
+
+def _warn_unread_gunicorn_config(config: Config, start_cwd: str, log: Log) -> None:
+    """gunicorn reads ./gunicorn.conf.py by itself; forkserve does not: say so, naming the
+    file, where one is in the directory the server was started in or in --chdir."""
+    found = dict.fromkeys(os.path.abspath(os.path.join(where, GUNICORN_CONFIG))
+                          for where in (start_cwd, os.getcwd()))
+    for path in (p for p in found if os.path.isfile(p)):
+        shown = os.path.relpath(path, start_cwd)
+        shown = shown if not shown.startswith(os.pardir) else path
+        if config.values.get("hooks"):  # (helper A's --hooks, issue 15)
+            advice = ("forkserve reads no Python configuration: put its settings in a YAML "
+                      "file (-c forkserve.yaml) or in flags (--hooks is given: its hooks are "
+                      "those)")
+        else:
+            # (a path that means the same from --chdir as from where the server started)
+            advice = python_config_advice(path if config.chdir else GUNICORN_CONFIG)
+        log.warning(f"{shown} is not read: {advice}", file=path)
+
+
+def _print_config(config: Config) -> None:
+    """--print-config: every setting, its value and where it came from; JSON (one object)
+    with --log-format json, for tools."""
+    rows = provenance(config)
+    if config.log_format == "json":
+        sys.stdout.write(json.dumps({"settings": rows}) + "\n")
+        return
+    def shown(value: Any) -> str:
+        if isinstance(value, dict):
+            return ", ".join(f"{k}={v}" for k, v in value.items()) or "(none)"
+        if isinstance(value, list):
+            return ", ".join(str(v) for v in value) or "(none)"
+        if isinstance(value, bool):
+            return str(value).lower()
+        return "(none)" if value is None else str(value)
+
+    width = max(len(row["setting"]) for row in rows)
+    values = [shown(row["value"]) for row in rows]
+    value_width = min(max(len(v) for v in values), 40)
+    lines = []
+    for row, value in zip(rows, values):
+        where = row["source"]
+        detail = row.get("reason") or row.get("from")
+        if where == "gunicorn_cmd_args":
+            where, detail = "GUNICORN_CMD_ARGS", None
+        if detail:
+            where += f" ({detail})"
+        lines.append(f"{row['setting']:<{width}}  {value:<{value_width}}  {where}")
+    sys.stdout.write("\n".join(lines) + "\n")
 
 
 def run() -> None:

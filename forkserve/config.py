@@ -16,6 +16,7 @@ import importlib.util
 import ipaddress
 import os
 import pwd
+import shlex
 import string
 import sys
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import yaml
 
+from forkserve import gunicorn_flags
 from forkserve.machine import usable_cpus
 
 ENV_PREFIX = "FORKSERVE_"
@@ -92,6 +94,45 @@ def _optional_text(value: Any) -> str | None:
     if value is None:
         return None
     return _text(value)
+
+
+def _worker_class(value: Any) -> str:
+    """sync, thread or gevent, under forkserve's names or gunicorn's (-k gthread)."""
+    return gunicorn_flags.worker_class(_text(value))
+
+
+def _cert_reqs(value: Any) -> str:
+    """none, optional or required; or gunicorn's numbers for them (ssl.CERT_NONE is 0...)."""
+    text = str(value).strip().lower()
+    numbers = {"0": "none", "1": "optional", "2": "required"}
+    return numbers[text] if text in numbers else _choice("none", "optional", "required")(text)
+
+
+def _env_pairs(value: Any) -> dict[str, str]:
+    """-e KEY=VALUE (repeatable), a YAML mapping or list of KEY=VALUE, or FORKSERVE_ENV: pairs
+    split as a shell would (FORKSERVE_ENV='A=1 "GREETING=hello world"')."""
+    if isinstance(value, dict):
+        items = [f"{k}={'' if v is None else v}" for k, v in value.items()]
+    elif isinstance(value, list):
+        items = [_text(item) for item in value]
+    else:
+        try:
+            items = shlex.split(_text(value))
+        except ValueError as exc:
+            raise ValueError(f"cannot split {value!r}: {exc}") from None
+    pairs = {}
+    for item in items:
+        key, sep, val = item.partition("=")
+        if not sep or not key or key != key.strip() or "\0" in item:
+            raise ValueError(f"expected KEY=VALUE, got {item!r}")
+        pairs[key] = val
+    return pairs
+
+
+def _paths(value: Any) -> list[str]:
+    """Directories, comma-separated (gunicorn's --pythonpath) or a YAML list."""
+    items = value if isinstance(value, list) else _text(value).split(",")
+    return [p for p in (_text(item).strip() for item in items) if p]
 
 
 def _bind(value: Any) -> str:
@@ -323,10 +364,11 @@ SETTINGS: tuple[Setting, ...] = (
             "number of worker processes (default: $WEB_CONCURRENCY, else the CPUs this process "
             "may use: its affinity and its cgroup's CPU quota, the smaller)",
             flags=("-w", "--workers"), metavar="N"),
-    Setting("worker_class", _choice("sync", "thread", "gevent"), "sync",
+    Setting("worker_class", _worker_class, "sync",
             "worker type: sync (one connection at a time), thread (a pool of --threads request "
             "threads) or gevent (a greenlet per connection; pip install 'forkserve[gevent]'); "
-            "--threads N > 1 alone chooses thread, as gunicorn does",
+            "--threads N > 1 alone chooses thread, as gunicorn does; gunicorn's gthread and "
+            "worker class paths are understood",
             flags=("-k", "--worker-class"), metavar="CLASS"),
     Setting("threads", _int(1), 4,
             "thread worker: request threads per worker (idle keep-alive connections wait in its "
@@ -341,7 +383,7 @@ SETTINGS: tuple[Setting, ...] = (
             "a worker silent (no heartbeat) this long is killed and replaced; 0 disables",
             flags=("-t", "--timeout"), metavar="SECONDS"),
     Setting("keepalive", _seconds, 5.0, "seconds an idle keep-alive connection is kept; 0 disables",
-            flags=("--keepalive",), metavar="SECONDS"),
+            flags=("--keepalive",), aliases=("--keep-alive",), metavar="SECONDS"),
     Setting("header_timeout", _seconds, 10.0,
             "seconds a client has to send a whole request head from its first byte, and the "
             "longest pause in a body and in reading a response (a client that stops reading)",
@@ -424,7 +466,8 @@ SETTINGS: tuple[Setting, ...] = (
             flags=("--limit-request-fields",), metavar="N"),
     Setting("limit_request_field_size", _int(16), 8190,
             "longest header or trailer field (name and value) in bytes (else 431)",
-            flags=("--limit-request-field-size",), metavar="BYTES"),
+            flags=("--limit-request-field-size",), aliases=("--limit-request-field_size",),
+            metavar="BYTES"),
     Setting("limit_request_body", _int(0), 0, "largest request body in bytes (else 413); 0: no limit",
             flags=("--limit-request-body",), metavar="BYTES"),
     Setting("preload", _bool, False, "import the application in the arbiter, before forking",
@@ -459,25 +502,39 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("chdir", _optional_text, None, "change to this directory before loading the app",
             flags=("--chdir",), metavar="DIR", reloadable=False),
     # -- gunicorn spellings and process settings (issue 15)
+    Setting("proc_name", _optional_text, None,
+            "process title prefix shown by ps and top: forkserve: arbiter [NAME], forkserve: "
+            "worker N [NAME] (default: the app)",
+            flags=("-n", "--name"), metavar="NAME", reloadable=False),
+    Setting("env", _env_pairs, {},
+            "set KEY=VALUE in the environment of the arbiter and the workers before the app "
+            "is loaded (repeatable; it configures the app, not forkserve: FORKSERVE_* given "
+            "this way are not read)",
+            flags=("-e", "--env"), metavar="KEY=VALUE", repeatable=True, reloadable=False),
+    Setting("pythonpath", _paths, [],
+            "directories, comma-separated, put first on sys.path (in this order) before the "
+            "app is loaded; relative ones are relative to --chdir",
+            flags=("--pythonpath",), metavar="DIRS", reloadable=False),
     Setting("pidfile", _optional_text, None, "write the arbiter's PID to this file",
-            flags=("--pidfile",), metavar="FILE", reloadable=False),
+            flags=("--pidfile",), aliases=("-p", "--pid"), metavar="FILE", reloadable=False),
     Setting("log_level", _choice("debug", "info", "warning", "error", "critical"), "info",
             "error-log level", flags=("--log-level",), metavar="LEVEL"),
     Setting("log_format", _choice("text", "json"), "text", "error-log format: text or json",
             flags=("--log-format",), metavar="FORMAT"),
     Setting("access_log", _optional_text, None, "access-log file, or - for stdout (off by default)",
-            flags=("--access-log",), metavar="PATH"),
+            flags=("--access-log",), aliases=("--access-logfile",), metavar="PATH"),
     Setting("access_log_format", _access_log_format, "combined",
             "access-log line: combined (Apache's, plus the duration), json, or a template of "
             "named fields such as '{remote_addr} {method} {path} {status} {duration_us}us "
             "{request_id}' (the README lists the fields)",
-            flags=("--access-log-format",), metavar="FORMAT"),
+            flags=("--access-log-format",), aliases=("--access-logformat",), metavar="FORMAT"),
     Setting("status_bind", _status_bind, None,
             "HOST:PORT of the status server (/healthz /readyz /metrics /status), served by the "
             "arbiter; off by default; anything but loopback is public, so a warning is logged",
             flags=("--status-bind",), metavar="HOST:PORT", reloadable=False),
     Setting("error_log", _text, "-", "error-log file, or - for stderr",
-            flags=("--error-log",), metavar="PATH", reloadable=False),
+            flags=("--error-log",), aliases=("--error-logfile", "--log-file"), metavar="PATH",
+            reloadable=False),
     Setting("forwarded_allow_ips", _allow_list, ["127.0.0.1", "::1"],
             "proxies trusted to say the request's scheme (X-Forwarded-Proto, X-Forwarded-Ssl, "
             "Forwarded proto=) and, with --forwarded-for, the client's address: addresses or "
@@ -512,9 +569,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ca_certs", _optional_text, None,
             "CA certificates (PEM) that client certificates must be signed by (--cert-reqs)",
             flags=("--ca-certs",), metavar="FILE"),
-    Setting("cert_reqs", _choice("none", "optional", "required"), "none",
-            "client certificates: none, optional or required; a verified one is in "
-            "environ['forkserve.peer_cert']",
+    Setting("cert_reqs", _cert_reqs, "none",
+            "client certificates: none, optional or required (or gunicorn's 0, 1, 2); a "
+            "verified one is in environ['forkserve.peer_cert']",
             flags=("--cert-reqs",), metavar="WHEN"),
     Setting("ciphers", _optional_text, None,
             "OpenSSL cipher list for TLS 1.2 (TLS 1.3's are OpenSSL's own; TLS 1.2 at least "
@@ -557,6 +614,12 @@ class Config:
     # Defaults the platform decided, and why: bind from $PORT, workers from WEB_CONCURRENCY or
     # the CPU quota, the worker class from --threads (logged at start, shown by --check).
     derived: dict[str, str] = field(default_factory=dict)
+    # Where exactly a value came from, beyond its source: the variable (FORKSERVE_WORKERS,
+    # FORWARDED_ALLOW_IPS), the file's path (--print-config shows them).
+    origins: dict[str, str] = field(default_factory=dict)
+    # Lines for the error log once it is open, (level, message, fields): what GUNICORN_CMD_ARGS
+    # set, the gunicorn flags that were ignored.
+    notes: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -610,7 +673,36 @@ class Config:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
+        if message.startswith("unrecognized arguments"):
+            message += ("; forkserve --help lists the options (docs/operations.md, "
+                        "Migrating from gunicorn, maps gunicorn's)")
         raise ConfigError(message)
+
+
+# What the command line noted for the log (gunicorn flags ignored): the parser's namespace
+# carries it under this name, and resolve() moves it into Config.notes.
+NOTES = "gunicorn_notes"
+
+
+class _GunicornOnly(argparse.Action):
+    """A gunicorn flag forkserve has no setting for: noted (ignored) or refused, with what
+    forkserve does instead (forkserve.gunicorn_flags)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str,
+                 entry: gunicorn_flags.GunicornOnly, **kwargs: Any) -> None:
+        self.entry = entry
+        super().__init__(option_strings, dest, nargs=None if entry.takes_value else 0,
+                         help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        value = values if isinstance(values, str) else None
+        ignored, line = gunicorn_flags.judge(self.entry, option_string or self.dest, value)
+        if not ignored:
+            raise ConfigError(line)
+        notes = list(getattr(namespace, NOTES, []))
+        notes.append(line)
+        setattr(namespace, NOTES, notes)
 
 
 def build_argparser(version: str) -> argparse.ArgumentParser:
@@ -625,17 +717,23 @@ def build_argparser(version: str) -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"forkserve {version}")
-    parser.add_argument("--check", action="store_true", default=False,
+    parser.add_argument("--check", "--check-config", action="store_true", default=False,
                         help="validate the configuration and import the app, then exit "
                              "(no binding, no forking)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print every setting's value and where it came from, then exit "
+                             "(no binding, no forking; JSON with --log-format json)")
+    for entry in gunicorn_flags.GUNICORN_ONLY:
+        parser.add_argument(*entry.flags, action=_GunicornOnly, entry=entry,
+                            dest=f"gunicorn_{entry.setting}")
     for s in SETTINGS:
         if s.name == "app":
             parser.add_argument("app", nargs="?", metavar=s.metavar, help=s.help)
             continue
         if s.secret:
             continue
-        default_text = "" if s.default is None or s.default is False or s.default == [] \
-            or s.flag else f" [default: {_show(s.default)}]"
+        default_text = ("" if s.default is None or s.default is False or s.default in ([], {})
+                        or s.flag else f" [default: {_show(s.default)}]")
         kwargs: dict[str, Any] = {"dest": s.name, "help": s.help + default_text}
         if s.flag:
             kwargs["action"] = "store_const"
@@ -661,8 +759,9 @@ def _apply(values: dict[str, Any], sources: dict[str, str], name: str, raw: Any,
     try:
         values[name] = setting.parse(raw)
     except ValueError as exc:
+        flag = (setting.flags or (name,))[-1]
         where = {"file": f"in the config file, {name}", "env": env_name or setting.env,
-                 "cli": (setting.flags or (name,))[-1]}[source]
+                 "cli": flag, GUNICORN: f"{gunicorn_flags.CMD_ARGS_ENV}, {flag}"}[source]
         raise ConfigError(f"{where}: {exc}") from None
     sources[name] = source
 
@@ -687,28 +786,62 @@ def read_yaml(path: str) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
+# The source of what GUNICORN_CMD_ARGS set (the others: default, file, env, cli).
+GUNICORN = "gunicorn_cmd_args"
+
+
 def resolve(cli: dict[str, Any], environ: dict[str, str] | os._Environ[str]) -> Config:
-    """Merge defaults < YAML < environment < command line into a Config."""
+    """Merge defaults < YAML < GUNICORN_CMD_ARGS < environment < command line into a Config.
+
+    GUNICORN_CMD_ARGS sits where gunicorn puts it, above the config file and below the
+    command line; forkserve's own FORKSERVE_* variables are above it (they are this server's
+    configuration, GUNICORN_CMD_ARGS is what a deployment moving over brought along), and
+    gunicorn's FORWARDED_ALLOW_IPS below it, as in gunicorn (there it is only a default)."""
     values = {s.name: s.default for s in SETTINGS}
     sources = {s.name: "default" for s in SETTINGS}
-    config_path = cli.get("config") or environ.get(BY_NAME["config"].env)
+    origins: dict[str, str] = {}
+    notes: list[tuple[str, str, dict[str, str]]] = [("warning", line, {})
+                                                    for line in cli.get(NOTES, [])]
+    from_gunicorn = _gunicorn_cmd_args(environ, notes)
+    config_env = BY_NAME["config"].env
+    config_path, config_source = next(
+        ((path, source) for path, source in ((cli.get("config"), "cli"),
+                                             (environ.get(config_env), "env"),
+                                             (from_gunicorn.get("config"), GUNICORN)) if path),
+        (None, "default"))
     if config_path:
+        hooks = gunicorn_flags.python_config(config_path)
+        if hooks is not None:
+            where = {"cli": "-c ", "env": f"{config_env}=",
+                     GUNICORN: f"{gunicorn_flags.CMD_ARGS_ENV}, -c "}[config_source]
+            raise ConfigError(f"{where}{config_path}: {gunicorn_flags.python_config_advice(hooks)}")
         for name, raw in read_yaml(config_path).items():
             _apply(values, sources, name, raw, "file")
-        values["config"] = config_path
-        sources["config"] = "cli" if "config" in cli else "env"
+            origins[name] = config_path
+        values["config"], sources["config"] = config_path, config_source
+        if config_source != "cli":
+            origins["config"] = config_env if config_source == "env" else gunicorn_flags.CMD_ARGS_ENV
+    for name, raw in from_gunicorn.items():
+        if name in BY_NAME and name != "config" and raw is not None:
+            _apply(values, sources, name, raw, GUNICORN)
+            origins[name] = gunicorn_flags.CMD_ARGS_ENV
     for s in SETTINGS:
         # Ours first; else another server's name for it (gunicorn's FORWARDED_ALLOW_IPS), so
         # a deployment moving over keeps its behaviour.
         env_name = next((n for n in (s.env, *s.env_aliases) if n in environ), None)
-        if s.name != "config" and env_name is not None:
-            raw_env: Any = environ[env_name]
-            if s.repeatable or s.several:
-                raw_env = [part for part in raw_env.replace(",", " ").split() if part]
-            _apply(values, sources, s.name, raw_env, "env", env_name)
+        if env_name is None or s.name == "config":
+            continue
+        if env_name != s.env and sources[s.name] == GUNICORN:
+            continue  # GUNICORN_CMD_ARGS beats gunicorn's own variables, as in gunicorn
+        raw_env: Any = environ[env_name]
+        if (s.repeatable or s.several) and s.name != "env":  # (env: split as a shell would)
+            raw_env = [part for part in raw_env.replace(",", " ").split() if part]
+        _apply(values, sources, s.name, raw_env, "env", env_name)
+        origins[s.name] = env_name
     for name, raw in cli.items():
         if name in BY_NAME and name != "config" and raw is not None:
             _apply(values, sources, name, raw, "cli")
+            origins.pop(name, None)
     if values["app"] is None:
         raise ConfigError("no application given: forkserve [options] MODULE:APP (see --help)")
     if _is_file_path(values["app"].partition(":")[0]):
@@ -737,9 +870,38 @@ def resolve(cli: dict[str, Any], environ: dict[str, str] | os._Environ[str]) -> 
         # rather than broken until the header is read from the raw socket.
         raise ConfigError("--proxy-protocol cannot be used with --certfile yet: terminate TLS "
                           "in the balancer, or drop one of them")
-    config = Config(values, sources, derived)
+    config = Config(values, sources, derived, origins, notes)
     _check_privileges(config)
     return config
+
+
+def _gunicorn_cmd_args(environ: dict[str, str] | os._Environ[str],
+                       notes: list[tuple[str, str, dict[str, str]]]) -> dict[str, Any]:
+    """GUNICORN_CMD_ARGS, parsed as the command line is (an unknown flag in it is one line
+    naming it); {} when it is not set."""
+    name = gunicorn_flags.CMD_ARGS_ENV
+    text = environ.get(name, "").strip()
+    if not text:
+        return {}
+    try:
+        tokens = shlex.split(text)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: cannot split {text!r}: {exc}") from None
+    for token in tokens:
+        flag = token.partition("=")[0]
+        if flag in ("-h", "--help", "--version", "--check", "--check-config", "--print-config"):
+            # (--help and --version would exit from inside the parser: in a HUP, the arbiter)
+            raise ConfigError(f"{name}: {flag} is a command, not a setting: give it on the "
+                              f"command line")
+    try:
+        values, _ = parse_args(tokens, "")
+    except ConfigError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+    notes.append(("info", f"read {name}: {text}",
+                  {"precedence": "above the config file, below FORKSERVE_* variables and "
+                                 "the command line"}))
+    notes.extend(("warning", line, {}) for line in values.pop(NOTES, []))
+    return values
 
 
 def _passwd(user: str) -> pwd.struct_passwd | None:
@@ -801,8 +963,11 @@ def unknown_env(environ: dict[str, str] | os._Environ[str]) -> list[str]:
 
 def parse_args(argv: Sequence[str], version: str) -> tuple[dict[str, Any], bool]:
     """Returns (cli values, check flag). Raises ConfigError on bad usage."""
-    ns = build_argparser(version).parse_args(list(argv))
+    argv, notes = _proxy_protocol_modes(list(argv))
+    ns = build_argparser(version).parse_args(argv)
     cli = vars(ns)
+    if notes:
+        cli[NOTES] = notes + list(cli.get(NOTES, []))
     for name in ("soft_stop", "hard_stop"):
         # `forkserve -sf 123 myapp:wsgi`: nargs="+" also took the app; give it back.
         values = cli.get(name)
@@ -810,6 +975,65 @@ def parse_args(argv: Sequence[str], version: str) -> tuple[dict[str, Any], bool]
             cli["app"] = values.pop()
     check = bool(cli.pop("check", False))
     return cli, check
+
+
+_PROXY_MODES = ("off", "v1", "v2", "auto")
+
+
+def _proxy_protocol_modes(argv: list[str]) -> tuple[list[str], list[str]]:
+    """gunicorn's ``--proxy-protocol [MODE]`` (off, v1, v2, auto) as forkserve's switch, which
+    accepts v1 and v2 alike (detected per connection): the mode is taken only when it is one
+    of these words, so ``--proxy-protocol myapp:app`` still leaves the app alone."""
+    out: list[str] = []
+    notes: list[str] = []
+    tokens = iter(argv)
+    for token in tokens:
+        flag, eq, mode = token.partition("=")
+        if flag != "--proxy-protocol":
+            out.append(token)
+            continue
+        if not eq:
+            following = next(tokens, None)
+            if following is not None and following.lower() in _PROXY_MODES:
+                mode = following
+            elif following is not None:
+                out.extend((token, following))
+                continue
+        if not mode:
+            out.append(token)
+        elif mode.lower() not in _PROXY_MODES:
+            raise ConfigError(f"--proxy-protocol: expected no value, or gunicorn's "
+                              f"{', '.join(_PROXY_MODES)}; got {mode!r}")
+        elif mode.lower() != "off":
+            out.append(flag)
+            if mode.lower() != "auto":
+                notes.append(f"--proxy-protocol {mode}: forkserve accepts v1 and v2 alike, "
+                             f"detected per connection")
+    return out, notes
+
+
+def provenance(config: Config) -> list[dict[str, Any]]:
+    """Every setting's value and where it came from (``--print-config``): secrets and the
+    values of --env masked. Each row: setting, value (as JSON would have it), source
+    (default, file, env, cli, gunicorn_cmd_args or derived), and where that was: the file,
+    the variable, or the reason a value was derived."""
+    rows = []
+    for s in SETTINGS:
+        value = config.values[s.name]
+        if s.secret and value is not None:
+            value = "********"
+        elif s.name == "env":
+            value = {key: "***" for key in value}  # (secrets, often: DATABASE_URL)
+        elif s.parse is _octal and value is not None:
+            value = f"{value:03o}"  # a mode, as it is written
+        row: dict[str, Any] = {"setting": s.name, "value": value,
+                               "source": config.sources[s.name]}
+        if s.name in config.derived:
+            row["source"], row["reason"] = "derived", config.derived[s.name]
+        elif s.name in config.origins:
+            row["from"] = config.origins[s.name]
+        rows.append(row)
+    return rows
 
 
 def reloadable_changes(old: Config, new: Config) -> Iterable[str]:
@@ -828,7 +1052,7 @@ def settings_table() -> str:
                  else ", ".join(f"`{f}`" for f in s.flags + s.aliases))
         if s.name == "workers":
             default = "`WEB_CONCURRENCY`, else usable CPUs"
-        elif s.default is None or s.default == []:
+        elif s.default is None or s.default in ([], {}):
             default = "—"
         elif isinstance(s.default, bool):
             default = str(s.default).lower()
@@ -841,7 +1065,7 @@ def settings_table() -> str:
 
 
 __all__ = ["Config", "ConfigError", "SETTINGS", "Setting", "build_argparser", "parse_args",
-           "resolve", "read_yaml", "unknown_env", "reloadable_changes"]
+           "provenance", "resolve", "read_yaml", "unknown_env", "reloadable_changes"]
 
 if __name__ == "__main__":  # `python -m forkserve.config` prints the README's settings table
     sys.stdout.write(settings_table())

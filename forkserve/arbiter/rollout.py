@@ -13,7 +13,6 @@ HUP (reload), TTIN (resume) and the post-exec half of USR2 (upgrade), and the fi
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from dataclasses import dataclass
@@ -70,7 +69,8 @@ class Generations(Part):
             self.coalesce(Step.RELOAD)
             return
         try:
-            new = resolve(self.cli_args, os.environ)
+            # (as at the start: without what -e set for the app)
+            new = resolve(self.cli_args, self.process_env.pristine())
         except ConfigError as exc:
             self.log.error("Reload failed, keeping the current configuration", error=str(exc))
             self.count_reload("failed")

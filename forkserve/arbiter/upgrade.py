@@ -28,6 +28,7 @@ from forkserve.counters import ExitCode
 from forkserve.handover import HandedListener, HandedWorker, Handover
 from forkserve.lifecycle import Rollout, State, Step
 from forkserve.metrics import ENV as METRICS_ENV
+from forkserve.procenv import ProcessEnv
 from forkserve.standin import OPENMETRICS_PATH, RETRY_AFTER, run_stand_in
 from forkserve.status import Answer
 from forkserve.arbiter.observe import json_answer
@@ -48,6 +49,9 @@ class Upgrade(Part):
     # The status stand-in answering while an in-place upgrade execs (its pid): the old image's
     # child until the new image, once its own status server is up, stops and reaps it.
     stand_in: int | None = None
+    # What -e/--env and --pythonpath changed in this process: the upgrade's check and exec get
+    # the environment without it (the new image applies its own configuration's).
+    process_env: ProcessEnv = field(default_factory=ProcessEnv)
 
     # -- in-place upgrade (USR2) ----------------------------------------------------------
     def upgrade(self) -> None:
@@ -63,7 +67,7 @@ class Upgrade(Part):
             self.coalesce(Step.UPGRADE)
             return
         self.log.info("Upgrade requested: checking the new configuration and application")
-        env = dict(os.environ)
+        env = self.process_env.pristine()
         if self.metrics is not None:
             try:
                 env[METRICS_ENV] = self.metrics.scratch()  # the check's app import must not count
@@ -150,7 +154,7 @@ class Upgrade(Part):
         # the loop has not dispatched (the wakeup pipe does not survive the exec).
         signals = self.signals.undelivered()
         handover = replace(handover, signals=signals)
-        env = dict(os.environ)
+        env = self.process_env.pristine()
         handover.into(env)
         if self.control is not None:
             self.control.close()  # the new image opens it again at the same path

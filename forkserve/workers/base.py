@@ -93,6 +93,7 @@ class WorkerSettings:
 
     app: str
     chdir: str | None  # named in a load error, and what a suggested --chdir is relative to
+    proc_name: str | None  # the process title's [NAME] (-n), else the app's
     keepalive: float
     header_timeout: float
     body_buffer: int
@@ -271,7 +272,8 @@ class Worker:
             signal.signal(signum, signal.SIG_IGN)
         sigs.unblock()
         self.counters.pid = os.getpid()
-        _set_title(f"forkserve: worker {self.worker_id} [{self.settings.app}]")
+        name = self.settings.proc_name or self.settings.app
+        _set_title(f"forkserve: worker {self.worker_id} [{name}]")
         if self.settings.access_log:
             # Its write failures (a full disk) are told in the error log, rate-limited.
             self.access_log = AccessLog(self.settings.access_log, self.settings.access_log_format,
