@@ -18,6 +18,7 @@ from forkserve import __version__
 from forkserve.config import ConfigError, parse_args, resolve, unknown_env
 from forkserve.counters import ExitCode
 from forkserve.handover import Handover, take
+from forkserve.hooks import Hooks, HooksError, load_hooks
 from forkserve.loader import AppLoadError, load_app, os_exit_reported
 from forkserve.logs import Log, open_error, probe_append
 from forkserve.config import Config
@@ -75,6 +76,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return ExitCode.USAGE
     for name in unknown_env(os.environ):
         log.warning("Unknown setting in the environment, ignored", variable=name)
+    try:
+        # Before --check returns and before anything forks: a hooks module that does not
+        # import is one line and exit 4, as an app that does not.
+        hooks = load_hooks(config.hooks, log, start_cwd)
+    except HooksError as exc:
+        log.error(f"Hooks could not be loaded: {exc}")
+        return ExitCode.APP_LOAD_ERROR
     tls = None
     if config.certfile:
         from forkserve.tls import TLSError, build_context  # (ssl only when TLS is on)
@@ -120,14 +128,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if removed:
             log.info("Removed metric files of an earlier run", directory=path, files=removed)
     try:
-        return _serve(config, cli, args, start_cwd, handover, store, log, tls)
+        return _serve(config, cli, args, start_cwd, handover, store, log, tls, hooks)
     finally:
         if store is not None:
             store.close()  # after an in-place upgrade's exec this never runs: the new image keeps it
 
 
 def _serve(config: Config, cli: dict[str, Any], args: list[str], start_cwd: str,
-           handover: Handover | None, store: Any, log: Log, tls: Any) -> int:
+           handover: Handover | None, store: Any, log: Log, tls: Any, hooks: Hooks) -> int:
     app = None
     if config.preload:
         try:
@@ -163,7 +171,7 @@ def _serve(config: Config, cli: dict[str, Any], args: list[str], start_cwd: str,
     try:
         arbiter = Arbiter(config, cli, listeners, log, app, inherited=handover, argv=args,
                           cwd=start_cwd, notifier=Notifier(os.environ), status_sock=status_sock,
-                          status_deferred=status_deferred, metrics=store, tls=tls)
+                          status_deferred=status_deferred, metrics=store, tls=tls, hooks=hooks)
         return arbiter.run()
     finally:
         if pidfile is not None:

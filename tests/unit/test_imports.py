@@ -132,12 +132,14 @@ LEAVES = ("counters", "handover", "lifecycle", "loader", "logs", "machine", "pid
           "reactor", "signals", "sockets", "systemd", "tls")
 ALLOWED: dict[str, set[str]] = {
     "__main__": {"cli"},
-    "": {"background", "context", "telemetry"},  # forkserve/__init__: the app-facing API
-    "cli": {"", "arbiter", "config", "control", "counters", "handover", "loader", "logs",
+    "": {"background", "context", "exits", "telemetry"},  # forkserve/__init__: the app-facing API
+    "cli": {"", "arbiter", "config", "control", "counters", "handover", "hooks", "loader", "logs",
             "metrics", "pidfile", "sockets", "statusview", "systemd", "tls"},
-    "arbiter": {"", "config", "control", "counters", "handover", "lifecycle", "logs", "metrics",
+    "arbiter": {"", "config", "control", "counters", "handover", "hooks", "lifecycle", "logs",
+                "metrics",
                 "reactor", "signals", "sockets", "standin", "status", "systemd", "tls", "workers"},
-    "workers": {"background", "context", "counters", "http", "loader", "logs", "metrics",
+    "workers": {"background", "context", "counters", "exits", "hooks", "http", "loader", "logs",
+                "metrics",
                 "proxy", "signals", "sockets", "telemetry", "tls", "wsgi"},
     "wsgi": {"http"},
     # The default worker count reads the CPU quota (stdlib only, like config itself).
@@ -150,6 +152,10 @@ ALLOWED: dict[str, set[str]] = {
     "metrics": {"handover"},
     "background": {"context", "counters", "logs"},
     "context": {"logs"},
+    # Server hooks (--hooks) and the worker's exit-time cleanup (on_worker_exit, atexit):
+    # the standard library and the log only, so the arbiter, workers and cli may all use them.
+    "hooks": {"logs"},
+    "exits": {"logs"},
     "telemetry": {"context"},
     **{leaf: set() for leaf in LEAVES},
 }
