@@ -450,12 +450,17 @@ class Worker:
             return
         self.abort_reported = True
         names = {t.ident: t.name for t in threading.enumerate()}
-        here = threading.get_ident()
+        frames = sys._current_frames()
+        # This thread (the main one: handlers run there) by its running frame, this one:
+        # gevent patches threading.get_ident to tell greenlets apart.
+        me = sys._getframe()
+        here = next((ident for ident, top in frames.items() if top is me), None)
         parts = []
-        for ident, top in sys._current_frames().items():
-            where = frame if ident == here and frame is not None else top
-            parts.append(f"Thread {names.get(ident, '?')} ({ident})"
-                         f"{' (the one the signal interrupted)' if ident == here else ''}:\n"
+        for ident, top in frames.items():
+            mine = ident == here
+            where = frame if mine and frame is not None else top
+            name = names.get(ident) or ("MainThread" if mine else "?")
+            parts.append(f"Thread {name} ({ident}){' interrupted by the kill' if mine else ''}:\n"
                          + "".join(traceback.format_stack(where)).rstrip())
         stacks = "\n".join(parts)
         message = (f"Worker {self.worker_id} (pid {os.getpid()}) was stuck at the arbiter's "

@@ -1,7 +1,8 @@
 """A hooks module (--hooks tests.apps.hooks_record) that records every call: one JSON line
 per call, appended to the file named by HOOKS_LOG (one os.write on an O_APPEND descriptor:
 lines from the arbiter and every worker never interleave). HOOKS_RAISE names hooks that
-raise RuntimeError after recording their call."""
+raise RuntimeError after recording their call; pre_request raises for the path
+/pre-request-fails."""
 
 from __future__ import annotations
 
@@ -71,6 +72,8 @@ def pre_request(worker, req):
     _record("pre_request", worker_pid=worker.pid, method=req.method, path=req.path,
             query=req.query, uri=req.uri, version=list(req.version),
             agent=dict(req.headers).get("USER-AGENT", ""))
+    if req.path == "/pre-request-fails":
+        raise RuntimeError("pre_request failed on purpose")
 
 
 def post_request(worker, req, environ, resp):
