@@ -52,8 +52,9 @@ WORKER_HOOKS = frozenset(HOOKS) - ARBITER_HOOKS
 # function that takes them).
 POST_REQUEST_MIN = 2
 
-# gunicorn's setting names (its config.py), hooks left out: a gunicorn.conf.py given as
-# --hooks sets some of them (bind = ..., workers = ...), which are not applied here.
+# gunicorn's setting names (its config.py), the hooks above left out: a gunicorn.conf.py
+# given as --hooks sets some of them (bind = ..., workers = ...), which are not applied here;
+# its ssl_context and dirty-worker hooks have no counterpart (named in the same warning).
 GUNICORN_SETTINGS = frozenset("""
     config wsgi_app bind backlog workers worker_class threads worker_connections max_requests
     max_requests_jitter timeout graceful_timeout keepalive limit_request_line
@@ -68,7 +69,12 @@ GUNICORN_SETTINGS = frozenset("""
     ssl_version cert_reqs ca_certs suppress_ragged_eofs do_handshake_on_connect ciphers
     http_protocols raw_paste_global_conf permit_obsolete_folding strip_header_spaces
     permit_unconventional_http_method permit_unconventional_http_version casefold_http_method
-    forwarder_headers header_map root_path
+    forwarder_headers header_map root_path http2_cleartext http2_max_concurrent_streams
+    http2_initial_window_size http2_max_frame_size http2_max_header_list_size asgi_loop
+    asgi_lifespan asgi_disconnect_grace_period http_parser dirty_apps dirty_workers
+    dirty_timeout dirty_threads dirty_graceful_timeout on_dirty_starting dirty_post_fork
+    dirty_worker_init dirty_worker_exit control_socket control_socket_mode
+    control_socket_disable
 """.split())
 # Names that look like a hook: a function so named that is not one is probably a typo.
 HOOK_PREFIXES = ("on_", "pre_", "post_", "when_", "worker_", "child_", "nworkers")
@@ -264,7 +270,7 @@ def _warn_about_the_rest(spec: str, module: ModuleType, log: Log) -> None:
                     f"{', '.join(settings)}; move them into -c forkserve.yaml or command-line "
                     "flags", settings=",".join(settings))
     for key, value in names.items():
-        if key in HOOKS or not inspect.isfunction(value) \
+        if key in HOOKS or key in GUNICORN_SETTINGS or not inspect.isfunction(value) \
                 or getattr(value, "__module__", None) != module.__name__:
             continue
         close = difflib.get_close_matches(key, HOOKS, n=1, cutoff=0.8)
