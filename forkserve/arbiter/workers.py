@@ -296,9 +296,14 @@ class WorkerTable(Part):
             self.log.error(f"{handle.describe()} {how} unexpectedly; replacing it",
                            reason="crashed", **fields)
             self.count_restart("crashed")
-        if handle.info is not None and self.hooks.child_exit is not None:
-            handle.info.exit_reason, handle.info.exit_status = reason, how
-            self.hooks.call("child_exit", self.log, self.server_info, handle.info)
+        if self.hooks.child_exit is not None:
+            info = handle.info
+            if info is None:  # a worker the old image forked (adopted after an upgrade)
+                info = WorkerInfo(0, handle.worker_id, handle.generation, os.getpid(),
+                                  self.server_info.cfg_getter(), self.server_info.log)
+                info.pid = handle.pid
+            info.exit_reason, info.exit_status = reason, how
+            self.hooks.call("child_exit", self.log, self.server_info, info)
         self.check_gone()
         self.check_booted()
 

@@ -205,3 +205,17 @@ def test_on_worker_exit_functions_run_in_order_each_contained() -> None:
     assert ran[-2:] == ["first", "third"]
     assert [f.get("function") for _, _, f in log.records] == [fail.__qualname__]
     assert exits.registered() == 0  # run once
+
+
+def test_the_setting_from_each_source(tmp_path: Path) -> None:
+    from forkserve.config import parse_args, resolve
+
+    yaml_file = tmp_path / "forkserve.yaml"
+    yaml_file.write_text("hooks: serverhooks\n")
+    cli, _ = parse_args(["-c", str(yaml_file), "myapp:app"], "test")
+    assert (resolve(cli, {}).hooks, resolve(cli, {}).sources["hooks"]) == ("serverhooks", "file")
+    env = {"FORKSERVE_HOOKS": "gunicorn.conf.py"}
+    assert resolve(cli, env).hooks == "gunicorn.conf.py"
+    cli, _ = parse_args(["--hooks", "pkg.hooks", "myapp:app"], "test")
+    assert resolve(cli, env).hooks == "pkg.hooks"
+    assert resolve(parse_args(["myapp:app"], "test")[0], {}).hooks is None
