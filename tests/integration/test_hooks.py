@@ -110,7 +110,6 @@ def test_hooks_run_in_order_with_their_arguments(server_factory: Any, tmp_path: 
     assert len(named(log, "worker_int")) == 0 and len(named(log, "worker_abort")) == 0
 
 
-@pytest.mark.slow
 def test_usr2_calls_pre_exec_then_the_new_image_starts(server_factory: Any,
                                                        tmp_path: Path) -> None:
     server, log = hooked(server_factory, tmp_path)
