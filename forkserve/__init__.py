@@ -8,6 +8,8 @@ The application API:
   however it ends (normally, with an exception, or cancelled at the drain deadline).
 - ``forkserve.RequestCancelled``: raised inside a request cancelled at the drain deadline, or
   (as its subclass ``forkserve.RequestTimedOut``) past --request-timeout.
+- ``forkserve.on_worker_exit(fn, *args, **kwargs)``: run when this worker exits gracefully
+  (after its drain, a HUP replacement, a max-requests recycle), before its atexit handlers.
 - ``forkserve.background.submit(fn, *args, **kwargs)``: the worker's background pool.
 - ``forkserve.telemetry.span(name, **attributes)``: record a span (``--span-log``).
 """
@@ -17,6 +19,7 @@ __version__ = "0.1.0"
 from forkserve import background, telemetry  # noqa: E402  (public submodules)
 from forkserve.context import (RequestCancelled, RequestTimedOut, finish_request,  # noqa: E402
                                register_shutdown_function)
+from forkserve.exits import on_worker_exit  # noqa: E402
 
 __all__ = ["RequestCancelled", "RequestTimedOut", "__version__", "background", "finish_request",
-           "register_shutdown_function", "telemetry"]
+           "on_worker_exit", "register_shutdown_function", "telemetry"]

@@ -21,6 +21,7 @@ from forkserve.config import (ENV_PREFIX, ConfigError, parse_args, provenance, r
 from forkserve.counters import ExitCode
 from forkserve.gunicorn_flags import GUNICORN_CONFIG, python_config_advice
 from forkserve.handover import Handover, take
+from forkserve.hooks import Hooks, HooksError, load_hooks
 from forkserve.loader import AppLoadError, load_app, os_exit_reported
 from forkserve.logs import Log, open_error, probe_append
 from forkserve.config import Config
@@ -97,6 +98,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as exc:
             _say(f"error: {flag} {path}: {open_error(path, exc)}")
             return ExitCode.USAGE
+    try:
+        # Before --check returns and before anything forks: a hooks module that does not
+        # import is one line and exit 4, as an app that does not (after -e and --pythonpath).
+        hooks = load_hooks(config.hooks, log, start_cwd)
+    except HooksError as exc:
+        log.error(f"Hooks could not be loaded: {exc}")
+        return ExitCode.APP_LOAD_ERROR
     tls = None
     if config.certfile:
         from forkserve.tls import TLSError, build_context  # (ssl only when TLS is on)
@@ -142,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if removed:
             log.info("Removed metric files of an earlier run", directory=path, files=removed)
     try:
-        return _serve(config, cli, args, start_cwd, handover, store, log, tls, process_env)
+        return _serve(config, cli, args, start_cwd, handover, store, log, tls, process_env, hooks)
     finally:
         if store is not None:
             store.close()  # after an in-place upgrade's exec this never runs: the new image keeps it
@@ -150,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _serve(config: Config, cli: dict[str, Any], args: list[str], start_cwd: str,
            handover: Handover | None, store: Any, log: Log, tls: Any,
-           process_env: ProcessEnv) -> int:
+           process_env: ProcessEnv, hooks: Hooks) -> int:
     app = None
     if config.preload:
         try:
@@ -187,7 +195,7 @@ def _serve(config: Config, cli: dict[str, Any], args: list[str], start_cwd: str,
         arbiter = Arbiter(config, cli, listeners, log, app, inherited=handover, argv=args,
                           cwd=start_cwd, notifier=Notifier(os.environ), status_sock=status_sock,
                           status_deferred=status_deferred, metrics=store, tls=tls,
-                          process_env=process_env)
+                          process_env=process_env, hooks=hooks)
         return arbiter.run()
     finally:
         if pidfile is not None:

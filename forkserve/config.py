@@ -357,6 +357,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("config", _optional_text, None, "YAML file of settings (keys as in --help, with _)",
             flags=("-c", "--config"), metavar="FILE.yaml", reloadable=False),
     # -- hooks (issue 15)
+    Setting("hooks", _optional_text, None,
+            "server hooks: a Python module (pkg.module, imported as the app is) or a .py file "
+            "(an existing gunicorn.conf.py works: its hook functions are used, its settings "
+            "are not) defining on_starting, when_ready, pre_fork, post_fork, post_worker_init, "
+            "pre_request, post_request, worker_exit, child_exit, on_reload, on_exit... with "
+            "gunicorn's names and arguments; HUP imports it anew",
+            flags=("--hooks",), metavar="MODULE_OR_FILE"),
     Setting("bind", _binds, ["127.0.0.1:8000"],
             "address to listen on: HOST:PORT, [::1]:PORT, unix:PATH or fd://N (repeatable)",
             flags=("-b", "--bind"), metavar="ADDRESS", repeatable=True, reloadable=False),

@@ -36,6 +36,7 @@ from forkserve.signals import ARBITER_SIGNALS
 from forkserve.config import Config
 from forkserve.control import ControlError, ControlServer
 from forkserve.counters import Decoder, ExitCode
+from forkserve.hooks import HookLog, Hooks, ServerInfo
 from forkserve.lifecycle import Event, State, next_state
 from forkserve.logs import Log
 from forkserve.reactor import Reactor
@@ -72,6 +73,11 @@ class Arbiter(WorkerTable, Drain, Generations, Upgrade, Handoff, Observe, Comman
     # (level, message, state, fields). The transitions themselves happened already.
     held_lines: list[tuple[str, str, str, dict[str, Any]]] = field(default_factory=list)
     held_until: float | None = None
+    hooks: Hooks = field(default_factory=Hooks)  # --hooks: re-imported at each HUP
+
+    def __post_init__(self) -> None:
+        # What the server hooks see of us (live: its config is the current one).
+        self.server_info = ServerInfo(os.getpid(), lambda: self.config, HookLog(self.log))
 
     # -- set-up ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -136,6 +142,9 @@ class Arbiter(WorkerTable, Drain, Generations, Upgrade, Handoff, Observe, Comman
             self.signals.replay(inherited.signals)
         if self.notifier is not None and self.notifier.enabled and self.notifier.watchdog_interval:
             self.next_watchdog = time.monotonic()
+        self.hooks.call("on_starting", self.log, self.server_info)
+        self.hooks.call("nworkers_changed", self.log, self.server_info,
+                        self.config.worker_count, None)
         if self.app is not None and self.config.gc_freeze:
             freeze_shared(self.log)
         self.start_watching()  # (--reload) before the first fork: an edit during the boot counts
@@ -170,6 +179,7 @@ class Arbiter(WorkerTable, Drain, Generations, Upgrade, Handoff, Observe, Comman
             listener.close(unlink=True)
         if self.control is not None:
             self.control.close()
+        self.hooks.call("on_exit", self.log, self.server_info)
         self.log.info("Server stopped", exit_code=int(self.exit_code))
         # Last: the status server answered through the whole drain. (The cli then removes
         # the metrics directory.)

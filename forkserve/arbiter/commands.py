@@ -36,8 +36,11 @@ class Commands(Part):
                 return {"ok": False, "error": "scale needs a whole number of workers"}, []
             if count < 1:
                 return {"ok": False, "error": "scale needs at least 1 worker"}, []
+            old = self.config.worker_count
             self.config.values["workers"] = count
             self.log.info("Scaling workers", workers=count)
+            if count != old:
+                self.hooks.call("nworkers_changed", self.log, self.server_info, count, old)
             self.spawn_missing(time.monotonic())
             return {"ok": True, "workers": count}, []
         if name == "listeners":

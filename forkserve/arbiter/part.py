@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from forkserve.control import ControlServer
     from forkserve.counters import Decoder
     from forkserve.handover import HandedWorker, Handover
+    from forkserve.hooks import Hooks, ServerInfo
     from forkserve.lifecycle import Event, Rollout, State, Step
     from forkserve.logs import Log
     from forkserve.metrics import Store
@@ -45,6 +46,10 @@ class Part:
         def current(self) -> list[WorkerHandle]: ...
         fresh: set[int] | None
         generation: int
+        hooks: Hooks
+        cwd: str
+        server_info: ServerInfo
+        spawned_count: int
         def halt_workers(self) -> None: ...
         def hand_listeners(self) -> tuple[dict[str, Any], list[int]]: ...
         inherited: Handover | None

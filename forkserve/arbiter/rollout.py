@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from forkserve.config import Config, ConfigError, reloadable_changes, resolve
+from forkserve.hooks import Hooks, HooksError, load_hooks
 from forkserve.lifecycle import Event, Rollout, State, Step, next_rollout
 from forkserve.workers import worker_class
 from forkserve.workers.base import WorkerSettings
@@ -37,6 +38,7 @@ class Generations(Part):
     reload_wanted: bool = False
     upgrade_wanted: bool = False
     previous: tuple[Config, WorkerSettings, type] | None = None  # what a failed reload restores
+    previous_hooks: Hooks | None = None  # and the hooks it had
     tls: Any = None  # (ssl.SSLContext, TLSMaterial) the workers serve HTTPS with; None: HTTP
 
     def reloading(self) -> bool:
@@ -81,16 +83,30 @@ class Generations(Part):
                              settings=",".join(fixed))
             for name in fixed:
                 new.values[name] = self.config.values[name]
+        try:
+            # Executed anew: a HUP picks up a changed hooks module (its on_reload runs).
+            hooks = load_hooks(new.hooks, self.log, self.cwd)
+        except HooksError as exc:
+            self.log.error("Reload failed, keeping the current configuration", error=str(exc))
+            self.count_reload("failed")
+            return
         if self.app is not None:
             self.log.warning("With --preload, HUP restarts workers but not the application code")
         self.previous = (self.config, self.settings, self.worker_cls)
+        self.previous_hooks = self.hooks
+        old_count = self.config.worker_count
         self.config = new
+        self.hooks = hooks
         self.log.configure(new.log_level, new.log_format)
         self.reload_tls(new)
         self.settings = WorkerSettings.of(new, self.metrics_dir(), self.tls)
         self.worker_cls = worker_class(new.worker_class)
         self.notify("reloading")
         self.step(Step.RELOAD)
+        self.hooks.call("on_reload", self.log, self.server_info)
+        if new.worker_count != old_count:
+            self.hooks.call("nworkers_changed", self.log, self.server_info, new.worker_count,
+                            old_count)
         self.start_generation("Reloading")
 
     def reload_tls(self, new: Config) -> None:
@@ -137,6 +153,7 @@ class Generations(Part):
         if self.state is State.BOOTING:
             self.transition(Event.BOOTED, "Server ready", generation=self.generation)
             self.notify("ready")
+            self.hooks.call("when_ready", self.log, self.server_info)
             if self.status_server is not None and not self.status_server.accepting:
                 # A successor: we can answer ready now; the instances we replace answered
                 # meanwhile (they leave the port at the stop we send them next).
@@ -200,6 +217,8 @@ class Generations(Part):
             # does not start the broken app.
             if self.previous is not None:
                 self.config, self.settings, self.worker_cls = self.previous
+            if self.previous_hooks is not None:
+                self.hooks = self.previous_hooks
             self.log.configure(self.config.log_level, self.config.log_format)
             self.log.error(f"Reload failed, the old workers keep serving: {reason}")
             self.count_reload("failed")

@@ -159,6 +159,7 @@ class Upgrade(Part):
         if self.control is not None:
             self.control.close()  # the new image opens it again at the same path
             self.control = None
+        self.hooks.call("pre_exec", self.log, self.server_info)
         self.log.info("Upgrade: re-executing", pid=os.getpid(), generation=self.generation)
         try:
             if self.cwd:

@@ -18,6 +18,7 @@ from typing import Iterator
 
 from forkserve import signals as sigs
 from forkserve.counters import ExitCode, Kind, Record, retiring_reason
+from forkserve.hooks import WorkerInfo
 from forkserve.lifecycle import State
 from forkserve.arbiter.part import Part
 
@@ -48,6 +49,7 @@ class WorkerHandle:
     in_flight_requests: int = 0
     background_tasks: int = 0
     requests_served: int = 0
+    info: WorkerInfo | None = None  # what the server hooks are given for this worker
 
     def describe(self) -> str:
         return f"Worker {self.worker_id} (pid {self.pid})"
@@ -148,12 +150,18 @@ class WorkerTable(Part):
     workers: dict[int, WorkerHandle] = field(default_factory=dict)
     respawn_after: float = 0.0  # no spawn before (boots failing: a backoff, never a fork loop)
     boot_failures: int = 0
+    spawned_count: int = 0  # workers spawned so far: a worker's age, for the hooks
 
     # -- workers ---------------------------------------------------------------------------
     def spawn(self, worker_id: int, now: float) -> None:
+        self.spawned_count += 1
+        server = self.server_info
+        info = WorkerInfo(self.spawned_count, worker_id, self.generation, os.getpid(),
+                          server.cfg_getter(), server.log)
         handle = WorkerHandle(worker_id, self.generation, spawned_at=now, last_seen=now,
                               deaf=self.paused,  # spawned while paused: it has no listener
-                              imports_app=self.app is None)
+                              imports_app=self.app is None, info=info)
+        self.hooks.call("pre_fork", self.log, server, info)
         pid = sigs.fork_with_signals_blocked()
         if pid == 0:  # the child: never returns into the arbiter's loop
             try:
@@ -162,11 +170,12 @@ class WorkerTable(Part):
                     self.alive_r, self.log, self.app,
                     close_fds=[self.counter_r, self.alive_w, self.signals.read_fd,
                                self.signals.write_fd, *self.control_fds(), *self.watch_fds(),
-                               *(self.status_server.fds() if self.status_server else ())])
+                               *(self.status_server.fds() if self.status_server else ())],
+                    hooks=self.hooks, server_info=server, info=info)
                 worker.run_child()
             finally:
                 os._exit(ExitCode.ERROR)
-        handle.pid = pid
+        info.pid = handle.pid = pid
         self.workers[pid] = handle
         self.log.info("Spawned worker", worker=worker_id, pid=pid, generation=self.generation)
 
@@ -290,6 +299,14 @@ class WorkerTable(Part):
             self.log.error(f"{handle.describe()} {how} unexpectedly; replacing it",
                            reason="crashed", **fields)
             self.count_restart("crashed")
+        if self.hooks.child_exit is not None:
+            info = handle.info
+            if info is None:  # a worker the old image forked (adopted after an upgrade)
+                info = WorkerInfo(0, handle.worker_id, handle.generation, os.getpid(),
+                                  self.server_info.cfg_getter(), self.server_info.log)
+                info.pid = handle.pid
+            info.exit_reason, info.exit_status = reason, how
+            self.hooks.call("child_exit", self.log, self.server_info, info)
         self.check_gone()
         self.check_booted()
 

@@ -15,7 +15,10 @@ import os
 import random
 import select
 import signal
+import sys
+import threading
 import time
+import traceback
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
@@ -25,6 +28,8 @@ from forkserve import signals as sigs
 from forkserve.background import BackgroundPool
 from forkserve.context import RequestCancelled, RequestContext
 from forkserve.counters import ExitCode, Kind, Writer, retiring_text
+from forkserve.exits import Budget, run_atexit, run_exit_functions
+from forkserve.hooks import Hooks, ServerInfo, WorkerInfo, describe_failure
 from forkserve.http import Limits
 from forkserve.loader import AppLoadError, load_app
 from forkserve.logs import Log
@@ -148,7 +153,8 @@ class Worker:
 
     def __init__(self, worker_id: int, generation: int, settings: WorkerSettings,
                  listeners: list[Listener], counter_fd: int, alive_fd: int, log: Log,
-                 app: Callable[..., Any] | None, close_fds: list[int]) -> None:
+                 app: Callable[..., Any] | None, close_fds: list[int], hooks: Hooks | None = None,
+                 server_info: ServerInfo | None = None, info: WorkerInfo | None = None) -> None:
         self.worker_id = worker_id
         self.generation = generation
         self.settings = settings
@@ -171,7 +177,14 @@ class Worker:
         self.pause_requested = False  # TTOU: the loop serves the queue, then stops listening
         self.lameduck = False  # TTIN: the lameduck began; every response ends its connection
         self.timed_out = False
+        self.abort_reported = False  # the timeout kill's stacks are logged (once)
+        self.cancelled_at: float | None = None  # when the drain deadline's cancel came
         self.retire_reason = ""
+        # Server hooks (forkserve.hooks), and what they are given: the arbiter as it was at
+        # the fork, and this worker.
+        self.hooks = hooks if hooks is not None else Hooks()
+        self.server_info = server_info
+        self.info = info
         # Heartbeats: often enough that the arbiter's timeout has several to see.
         self.heartbeat_interval = min(1.0, settings.timeout / 4) if settings.timeout else 1.0
         self.next_heartbeat = 0.0
@@ -201,6 +214,8 @@ class Worker:
         True when the state changed."""
         new = WORKER_TRANSITIONS[(self.state, event)]
         changed = new is not self.state
+        if changed and new is WorkerState.CANCELLED:
+            self.cancelled_at = time.monotonic()  # the cancel grace runs from here
         self.state = new
         return changed
 
@@ -216,13 +231,12 @@ class Worker:
                 self._enter(WorkerEvent.BOOTED)  # (a TERM while booting: still stopping)
                 self.serve()
                 self.wind_down()
-        except HardStop as exc:
-            if self.timed_out:
-                # The traceback of HardStop is where the worker was stuck: worth a look.
-                self.log.exception(f"Worker {self.worker_id} stopped by the arbiter's timeout", exc)
-                code = ExitCode.ERROR
-            else:
-                code = ExitCode.OK
+                if self.timed_out:  # (gevent: the kill ended the stuck greenlet, not serve())
+                    code = ExitCode.ERROR
+        except HardStop:
+            # The timeout kill's stacks (every thread's, where the worker was stuck) were
+            # logged as it came (report_abort).
+            code = ExitCode.ERROR if self.timed_out else ExitCode.OK
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else ExitCode.ERROR
         except BaseException as exc:  # the last line of defence: log it, never a silent death
@@ -233,8 +247,35 @@ class Worker:
                     else ExitCode.ERROR)
         finally:
             self._close_pool()
-            self._flush_telemetry()
+            self._flush_telemetry()  # forkserve's own first: nothing below can hold it back
+            self._exit_cleanup(code)
         os._exit(code)
+
+    def _exit_cleanup(self, code: int) -> None:
+        """What runs at the exit (forkserve.exits has the order): on a graceful one the
+        on_worker_exit functions, the worker_exit hook and the atexit handlers; on a hard
+        stop by QUIT the worker_int and worker_exit hooks only. Within --cancel-grace (what
+        is left of it after a cancel)."""
+        graceful = self.state in (WorkerState.STOPPING, WorkerState.CANCELLED)
+        quit_ = self.state is WorkerState.HALTING and not self.timed_out
+        hooks = self.hooks
+        if not graceful and hooks.worker_exit is None and not (quit_ and hooks.worker_int):
+            return
+        grace = self.settings.cancel_grace
+        seconds = grace if self.cancelled_at is None else \
+            self.cancelled_at + grace * 0.9 - time.monotonic()
+        with Budget(seconds, self.log, self.worker_id, code) as budget:
+            if quit_:
+                budget.step = "worker_int hook"
+                hooks.call("worker_int", self.log, self.info)
+            if graceful:
+                budget.step = "on_worker_exit functions"
+                run_exit_functions(self.log)
+            budget.step = "worker_exit hook"
+            hooks.call("worker_exit", self.log, self.server_info, self.info)
+            if graceful:
+                budget.step = "atexit handlers"
+                run_atexit()
 
     def _close_inherited(self) -> None:
         """First thing in the child, before any class's own set-up (gevent's monkey-patching
@@ -326,6 +367,10 @@ class Worker:
                                worker=self.worker_id, error=exc.strerror)
 
     def _boot(self) -> bool:
+        if self.info is not None:
+            self.info.pid = os.getpid()
+        if not self._boot_hook("post_fork", self.server_info, self.info):
+            return False
         if self.app is None:
             try:
                 self.app = load_app(self.settings.app, self.settings.chdir)
@@ -334,6 +379,12 @@ class Worker:
                 if self.log.enabled(10) and exc.__cause__ is not None:
                     self.log.exception("Application load failed", exc.__cause__)
                 return False
+        if self.info is not None:
+            self.info.wsgi = self.app
+        if not self._boot_hook("post_worker_init", self.info):
+            return False
+        if self.info is not None:
+            self.info.booted = True
         self._open_span_sinks()
         self._arm_recycling()
         self.counters.send(Kind.BOOTED)
@@ -371,6 +422,22 @@ class Worker:
             return int(os.pread(self.statm, 64, 0).split()[1]) * PAGE_SIZE
         except (OSError, IndexError, ValueError):
             return 0
+
+    def _boot_hook(self, name: str, *args: Any) -> bool:
+        """A hook that runs while the worker boots (post_fork, post_worker_init): one that
+        raises is a boot failure, as an app that cannot be imported (the arbiter's boot
+        rules apply: the first generation exits 4, a reload rolls back, never a fork loop)."""
+        function = getattr(self.hooks, name)
+        if function is None:
+            return True
+        try:
+            function(*args)
+        except (Exception, SystemExit) as exc:
+            self.log.exception(f"Worker {self.worker_id}: the {name} hook raised", exc,
+                               worker=self.worker_id, hook=name)
+            self.counters.send(Kind.BOOT_ERROR, f"the {name} hook raised {describe_failure(exc)}")
+            return False
+        return True
 
     def _open_span_sinks(self) -> None:
         """After the app is loaded: it may have set up OpenTelemetry, whose buffered spans
@@ -430,9 +497,41 @@ class Worker:
             raise HardStop("hard stop requested")
 
     def _on_abort(self, signum: int, frame: Any) -> None:
+        """The arbiter's timeout kill (SIGKILL follows shortly): where every thread was
+        stuck is logged and worker_abort runs here, since the loop is what is stuck."""
         self._enter(WorkerEvent.HALT)
         self.timed_out = True
+        self.report_abort(frame)
         raise HardStop("killed by the arbiter: no heartbeat within --timeout")
+
+    def report_abort(self, frame: Any) -> None:
+        """-- runs in the SIGABRT handler (documented exception: log writes and a hook; the
+        worker is being killed). One record with the stack of every thread, then the
+        worker_abort hook, contained."""
+        if self.abort_reported:
+            return
+        self.abort_reported = True
+        names = {t.ident: t.name for t in threading.enumerate()}
+        frames = sys._current_frames()
+        # This thread (the main one: handlers run there) by its running frame, this one:
+        # gevent patches threading.get_ident to tell greenlets apart.
+        me = sys._getframe()
+        here = next((ident for ident, top in frames.items() if top is me), None)
+        parts = []
+        for ident, top in frames.items():
+            mine = ident == here
+            where = frame if mine and frame is not None else top
+            name = names.get(ident) or ("MainThread" if mine else "?")
+            parts.append(f"Thread {name} ({ident}){' interrupted by the kill' if mine else ''}:\n"
+                         + "".join(traceback.format_stack(where)).rstrip())
+        stacks = "\n".join(parts)
+        message = (f"Worker {self.worker_id} (pid {os.getpid()}) was stuck at the arbiter's "
+                   "timeout kill; the stack of every thread")
+        if self.log.json:
+            self.log.log(40, message, {"worker": self.worker_id, "stacks": stacks})
+        else:
+            self.log.log(40, message + "\n" + stacks, {"worker": self.worker_id})
+        self.hooks.call("worker_abort", self.log, self.info)
 
     def _on_record(self, signum: int, frame: Any) -> None:
         return None  # USR1: the loop reads it from the wakeup fd and reopens the logs

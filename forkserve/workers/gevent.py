@@ -76,11 +76,16 @@ class GeventWorker(Pipeline):
         # moment as the stop already sees the state (and answers with Connection: close).
         signal.signal(signal.SIGTERM, self._on_term)
         for signum, handler in ((signal.SIGQUIT, self._g_quit),
-                                (signal.SIGUSR2, self._g_cancel), (signal.SIGABRT, self._g_abort),
+                                (signal.SIGUSR2, self._g_cancel),
                                 (signal.SIGUSR1, self._g_reopen), (signal.SIGTTOU, self._g_pause),
                                 (signal.SIGTTIN, self._g_lameduck),
                                 (signal.SIGWINCH, self.counters.snapshot)):
             gevent.signal_handler(signum, handler)
+        # The timeout kill through Python's own handler, not gevent's: a worker that timed out
+        # is one whose hub is blocked (a greenlet stuck in a call that never yields), so a
+        # gevent handler would never run; Python's runs in that very greenlet (the call is
+        # interrupted), which is where the stack to log is.
+        signal.signal(signal.SIGABRT, self._on_abort)
 
     # -- serving -----------------------------------------------------------------------------
     def should_close(self) -> bool:
@@ -277,9 +282,16 @@ class GeventWorker(Pipeline):
         for conn in list(self.connections):
             conn.owner.kill(HardStop("hard stop requested"), block=False)
 
-    def _g_abort(self) -> None:
+    def _on_abort(self, signum: int, frame: Any) -> None:
+        # -- runs in a signal handler, in whichever greenlet ran (see _post_fork).
+        self._enter(WorkerEvent.HALT)
         self.timed_out = True
-        self._g_quit()
+        self.report_abort(frame)
+        hub = self._gevent.get_hub()
+        hub.loop.run_callback(self._g_quit)  # the other greenlets, once the hub runs again
+        if self._gevent.getcurrent() is not hub:
+            # End the greenlet that was stuck (a connection's: it catches HardStop).
+            raise HardStop("killed by the arbiter: no heartbeat within --timeout")
 
     def _g_reopen(self) -> None:
         self.reopen_logs()

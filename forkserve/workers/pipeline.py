@@ -25,6 +25,7 @@ import time
 from typing import Any, NoReturn
 
 from forkserve.context import CURRENT, RequestCancelled, RequestContext, RequestTimedOut
+from forkserve.hooks import RequestInfo, ResponseInfo
 from forkserve.http import HTTPError, Request
 from forkserve.http.proxy_protocol import ProxyProtocolError
 from forkserve.http.response import DateCache, reason_phrase, simple_response
@@ -109,6 +110,10 @@ class Pipeline(Worker):
         self.request_timeout = self.settings.request_timeout
         self.timing: dict[RequestContext, tuple[float, Connection]] = {}
         self.fired: set[RequestContext] = set()
+        # The request hooks, read once: a request pays one check when neither is defined.
+        self.pre_request_hook = self.hooks.pre_request
+        self.post_request_hook = self.hooks.post_request
+        self.request_hooks = self.pre_request_hook is not None or self.post_request_hook is not None
 
     def setup_http(self) -> None:
         """What every request on this worker shares: the Date cache, header keys, environs."""
@@ -605,14 +610,21 @@ class Pipeline(Worker):
         status = 0
         keep = False
         timed = self.request_timeout
+        hooked = None
+        if self.request_hooks:
+            hooked = RequestInfo(request.method, request.target, request.path, request.query,
+                                 request.version, request.headers, environ["REMOTE_ADDR"])
         token = CURRENT.set(context)
         self.in_request = True
         try:
             self.cancellable = context
-            if timed:
-                self.time_request(context, conn)
-            keep = self._run_app(exchange, environ)
-            status = exchange.status_code
+            if hooked is not None and not self._pre_request(hooked):
+                status = self._fail(conn, exchange, 500, None)  # the app is not called
+            else:
+                if timed:
+                    self.time_request(context, conn)
+                keep = self._run_app(exchange, environ)
+                status = exchange.status_code
         except ClientGone:
             status = exchange.status_code or 499
         except HTTPError as exc:  # from wsgi.input: a body over --limit-request-body
@@ -645,6 +657,8 @@ class Pipeline(Worker):
                     self.untime_request(context)
             self.in_request = False
             context.run_shutdown_functions(self.log)
+            if hooked is not None:
+                self._post_request(hooked, environ, exchange, status)
             CURRENT.reset(token)
             counters.in_flight_requests -= 1
             conn.end_request()
@@ -737,6 +751,36 @@ class Pipeline(Worker):
         if self.metrics is not None:
             self.metrics.timed_out()
         return self._fail(conn, exchange, 504, None)
+
+    def _pre_request(self, req: RequestInfo) -> bool:
+        """The pre_request hook; False when it raised (logged: the request is answered 500
+        and never reaches the application)."""
+        hook = self.pre_request_hook
+        if hook is None:
+            return True
+        try:
+            hook(self.info, req)
+        except Exception as exc:
+            self.log.exception("The pre_request hook raised; answering 500 without calling "
+                               "the application", exc, hook="pre_request", method=req.method,
+                               target=req.uri, worker=self.worker_id)
+            return False
+        return True
+
+    def _post_request(self, req: RequestInfo, environ: dict[str, Any], exchange: Exchange,
+                      status: int) -> None:
+        """The post_request hook, once the response is complete; a failure is logged."""
+        hook = self.post_request_hook
+        if hook is None:
+            return
+        resp = ResponseInfo(exchange.status, status or exchange.status_code,
+                            list(exchange.headers), exchange.sent)
+        try:
+            hook(self.info, req, environ, resp)
+        except Exception as exc:
+            self.log.exception("The post_request hook raised; serving on", exc,
+                               hook="post_request", method=req.method, target=req.uri,
+                               worker=self.worker_id)
 
     def _finish_early(self, conn: Connection, exchange: Exchange) -> None:
         """forkserve.finish_request(): the response ends for the client now. The connection

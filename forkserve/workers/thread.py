@@ -103,7 +103,8 @@ class ThreadWorker(Pipeline):
             for listener in self.listeners:
                 listener.sock.close()
             with self.pool_lock:
-                threads_left = list(self.pool_threads)
+                # The timeout kill: SIGKILL follows in moments, waiting on threads is futile.
+                threads_left = [] if self.timed_out else list(self.pool_threads)
             for _ in threads_left:
                 self.work.put(None)
             # One deadline for all (spares included), not a grace per thread.

@@ -49,11 +49,8 @@ FOREIGN = {
 # set (and its uses) once everything is merged: test_pending_flags_are_still_pending fails for
 # each one that exists, to say so.
 PENDING_FLAGS = {
-    "--hooks",  # A
     "--log-config", "--log-syslog", "--log-syslog-to", "--log-syslog-prefix",  # B
     "--log-syslog-facility", "--capture-output",  # B
-    "--reload", "--reload-extra-file", "--reload-include", "--reload-exclude",  # D
-    "--max-worker-rss", "--max-worker-lifetime", "--request-timeout",  # E
 }
 # ---------------------------------------------------------------------------------------------
 

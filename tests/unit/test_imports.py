@@ -148,14 +148,15 @@ LEAVES = ("counters", "gunicorn_flags", "handover", "lifecycle", "loader", "logs
           "tls")
 ALLOWED: dict[str, set[str]] = {
     "__main__": {"cli"},
-    "": {"background", "context", "telemetry"},  # forkserve/__init__: the app-facing API
+    "": {"background", "context", "exits", "telemetry"},  # forkserve/__init__: the app-facing API
     "cli": {"", "arbiter", "config", "control", "counters", "gunicorn_flags", "handover",
-            "loader", "logs", "metrics", "pidfile", "procenv", "sockets", "statusview",
+            "hooks", "loader", "logs", "metrics", "pidfile", "procenv", "sockets", "statusview",
             "systemd", "tls"},
-    "arbiter": {"", "config", "control", "counters", "handover", "lifecycle", "logs", "metrics",
-                "procenv", "reactor", "reloader", "signals", "sockets", "standin", "status",
-                "systemd", "tls", "workers"},
-    "workers": {"background", "context", "counters", "http", "loader", "logs", "metrics",
+    "arbiter": {"", "config", "control", "counters", "handover", "hooks", "lifecycle", "logs",
+                "metrics", "procenv", "reactor", "reloader", "signals", "sockets", "standin",
+                "status", "systemd", "tls", "workers"},
+    "workers": {"background", "context", "counters", "exits", "hooks", "http", "loader", "logs",
+                "metrics",
                 "proxy", "signals", "sockets", "telemetry", "tls", "wsgi"},
     "wsgi": {"http"},
     # The default worker count reads the CPU quota (stdlib only, like config itself); gunicorn's
@@ -169,6 +170,10 @@ ALLOWED: dict[str, set[str]] = {
     "metrics": {"handover"},
     "background": {"context", "counters", "logs"},
     "context": {"logs"},
+    # Server hooks (--hooks) and the worker's exit-time cleanup (on_worker_exit, atexit):
+    # the standard library and the log only, so the arbiter, workers and cli may all use them.
+    "hooks": {"logs"},
+    "exits": {"logs"},
     "telemetry": {"context"},
     **{leaf: set() for leaf in LEAVES},
 }

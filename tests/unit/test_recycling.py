@@ -59,11 +59,17 @@ def test_env_and_yaml_names() -> None:
     assert config.sources["max_worker_rss"] == "env"
 
 
+class Conn(str):
+    """A connection as the timing methods see it: a name, and whether an app took it."""
+    taken = False
+
+
 def timing(*deadlines: float) -> tuple[Any, list[RequestContext]]:
     """A stand-in with what Pipeline's timing methods use: requests timed at ``deadlines``."""
     contexts = [RequestContext(lambda: None) for _ in deadlines]
-    worker = SimpleNamespace(timing={c: (d, f"conn-{i}") for i, (c, d) in
-                                     enumerate(zip(contexts, deadlines))},
+    conns = [Conn(f"conn-{i}") for i in range(len(deadlines))]
+    worker = SimpleNamespace(timing={c: (d, conn) for c, d, conn in
+                                     zip(contexts, deadlines, conns)},
                              fired=set(), request_timeout=5.0)
     return worker, contexts
 
@@ -91,3 +97,12 @@ def test_a_request_the_drain_cancelled_first_gets_no_timeout() -> None:
 def test_a_timeout_is_a_request_cancelled() -> None:
     assert issubclass(RequestTimedOut, RequestCancelled)
     assert "--request-timeout" in RequestTimedOut().reason
+
+
+def test_a_taken_connection_is_never_timed_out() -> None:
+    """A WebSocket (the app took the socket) outlives --request-timeout: dropped, not fired."""
+    worker, (a, b) = timing(10.0, 11.0)
+    conn = worker.timing[a][1]
+    conn.taken = True
+    assert Pipeline.overdue_requests(worker, 12.0) == [(b, "conn-1")]
+    assert not a.cancelled and worker.fired == {b} and a not in worker.timing
