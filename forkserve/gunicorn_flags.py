@@ -53,6 +53,9 @@ GUNICORN_ONLY: tuple[GunicornOnly, ...] = (
     GunicornOnly(("--http-parser",), "http_parser", True,
                  "forkserve always parses HTTP with httptools", ignored=True),
     # Debugging
+    GunicornOnly(("--reload-engine",), "reload_engine", True,
+                 "forkserve's --reload always uses watchfiles (inotify; WATCHFILES_FORCE_POLLING=1 "
+                 "polls instead)", ignored=True),
     GunicornOnly(("--spew",), "spew", False,
                  "forkserve has no line tracer: run it under python -m trace or a debugger"),
     # Server Mechanics

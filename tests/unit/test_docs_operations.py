@@ -123,7 +123,7 @@ WORKER_SIGNALS = ["TERM", "QUIT", "INT", "USR1", "ABRT", "WINCH"]
 SIGNAL_GROUPS = {"Signals to the master": MASTER_SIGNALS, "Signals to a worker": WORKER_SIGNALS}
 # gunicorn flags that forkserve's parser does not know (argparse's "unrecognized arguments",
 # with a pointer to this guide): left to the branches whose area they are.
-LEFT_UNRECOGNIZED = {"--reload-engine", "--disable-redirect-access-to-syslog"}
+LEFT_UNRECOGNIZED = {"--disable-redirect-access-to-syslog"}
 
 
 def forkserve_flags(capsys: pytest.CaptureFixture[str]) -> set[str]:
