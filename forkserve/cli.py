@@ -15,11 +15,11 @@ from typing import Any, Sequence
 from setproctitle import setproctitle
 
 from forkserve import __version__
-from forkserve.config import ConfigError, parse_args, resolve, unknown_env
+from forkserve.config import ConfigError, parse_args, read_log_config, resolve, unknown_env
 from forkserve.counters import ExitCode
 from forkserve.handover import Handover, take
 from forkserve.loader import AppLoadError, load_app, os_exit_reported
-from forkserve.logs import Log, open_error, probe_append
+from forkserve.logs import Log, Setup, open_error, probe_append, setup_error
 from forkserve.config import Config
 from forkserve.control import ControlError
 from forkserve.sockets import BindError
@@ -61,6 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         log = Log(config.error_log, config.log_level, config.log_format)
     except OSError as exc:
         _say(f"error: --error-log {config.error_log}: {open_error(config.error_log, exc)}")
+        return ExitCode.USAGE
+    problem = _install_logging(config, log)
+    if problem:
+        _say(f"error: {problem}")
         return ExitCode.USAGE
     # The workers open these after fork (before dropping privileges, so as the user we are
     # now): one that cannot be opened is a configuration error to tell here, once, not a
@@ -124,6 +128,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if store is not None:
             store.close()  # after an in-place upgrade's exec this never runs: the new image keeps it
+
+
+def _install_logging(config: Config, log: Log) -> str | None:
+    """forkserve.error/forkserve.access (and gunicorn's names) wired, --log-config applied and
+    --log-syslog connected, before anything is forked (--check included: a file that does not
+    apply is found there): what fails, as one line, or None."""
+    log_config = None
+    if config.log_config:
+        try:
+            log_config = read_log_config(config.log_config)
+        except ValueError as exc:
+            return f"--log-config {config.log_config}: {exc}"
+    setup = Setup(log_config, config.log_syslog_to if config.log_syslog else None,
+                  config.log_syslog_prefix, config.log_syslog_facility)
+    try:
+        log.install(setup)
+    except Exception as exc:  # dictConfig: ValueError, TypeError, ImportError, OSError...
+        if setup.syslog_to is not None and isinstance(exc, OSError):
+            return f"--log-syslog-to {setup.syslog_to}: {setup_error(exc)}"
+        return f"--log-config {config.log_config}: {setup_error(exc)}"
+    return None
 
 
 def _serve(config: Config, cli: dict[str, Any], args: list[str], start_cwd: str,
