@@ -245,11 +245,12 @@ class Log:
         for handler in self.syslog:
             handler.close()  # (a worker: the arbiter's connection, inherited)
         self.syslog = []
+        # The aliases first: a dictConfig naming gunicorn.error must configure our logger.
+        error = named_logger(ERROR_LOGGER)
+        access = named_logger(ACCESS_LOGGER)
         if setup.log_config is not None:
             logging.config.dictConfig(copy.deepcopy(setup.log_config))
         mine = set(OURS) - setup.configured()
-        error = named_logger(ERROR_LOGGER)
-        access = named_logger(ACCESS_LOGGER)
         if setup.syslog_to is not None:
             self.syslog = [syslog_handler(setup)]
         if ERROR_LOGGER in mine:
@@ -391,10 +392,26 @@ def syslog_handler(setup: Setup) -> logging.Handler:
     """--log-syslog: a SysLogHandler to --log-syslog-to; raises OSError when it cannot
     connect (a unix socket that is not there)."""
     address, socktype = syslog_address(setup.syslog_to or DEFAULT_SYSLOG)
+    if isinstance(address, str):
+        _probe_unix(address)  # SysLogHandler ignores a socket that is not there
     facility = logging.handlers.SysLogHandler.facility_names[setup.syslog_facility]
     handler = logging.handlers.SysLogHandler(address, facility, socktype)
     handler.setFormatter(SyslogFormatter(setup.syslog_prefix))
     return handler
+
+
+def _probe_unix(path: str) -> None:
+    """Raise OSError unless a syslog daemon listens at ``path`` (datagram or stream)."""
+    error: OSError | None = None
+    for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
+        with socket.socket(socket.AF_UNIX, kind) as probe:
+            try:
+                probe.connect(path)
+                return
+            except OSError as exc:
+                error = error or exc
+    assert error is not None
+    raise error
 
 
 def syslog_address(text: str) -> tuple[str | tuple[str, int], socket.SocketKind | None]:

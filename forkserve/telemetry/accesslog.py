@@ -52,29 +52,24 @@ def header_key(name: str) -> str:
     return key if key in ("CONTENT_TYPE", "CONTENT_LENGTH") else "HTTP_" + key
 
 
+# What every record of logging has: in each record's __dict__ (Formatter's %(name)s reads it).
+_CONSTANT = {
+    "name": ACCESS_LOGGER, "levelno": logging.INFO, "levelname": "INFO", "pathname": __file__,
+    "filename": "accesslog.py", "module": "accesslog", "lineno": 0, "funcName": "request",
+    "args": (), "exc_info": None, "exc_text": None, "stack_info": None,
+    "processName": "MainProcess", "taskName": None,
+}
+
+
 class AccessRecord(logging.LogRecord):
     """One request's record, made without :class:`logging.LogRecord`'s constructor (no caller
     lookup, nothing formatted): the message is the access-log line, made when asked for."""
-
-    name = ACCESS_LOGGER
-    levelno = logging.INFO
-    levelname = "INFO"
-    pathname = __file__
-    filename = "accesslog.py"
-    module = "accesslog"
-    lineno = 0
-    funcName = "request"
-    args = ()
-    exc_info = None
-    exc_text = None
-    stack_info = None
-    processName = "MainProcess"
-    taskName = None
 
     def __init__(self, log: "AccessLog", remote: str, method: str, target: str, protocol: str,
                  status: int, size: int, referer: str | None, agent: str | None, started: float,
                  duration: float, request_id: str, environ: Mapping[str, Any] | None,
                  response_headers: Iterable[tuple[str, str]] | None) -> None:
+        self.__dict__.update(_CONSTANT)
         self.log = log
         self.remote, self.method, self.target, self.protocol = remote, method, target, protocol
         self.status, self.size, self.referer, self.agent = status, size, referer, agent

@@ -82,7 +82,8 @@ def _hold() -> None:
     """Holds the handler locks until the test creates the release file (the app's own
     polling: the test itself waits on log lines)."""
     assert _release is not None
-    held = [h.lock for h in logging.getLogger("gunicorn.error").handlers if h.lock is not None]
+    held = [h.lock for name in ("gunicorn.error", "heldapp")
+            for h in logging.getLogger(name).handlers if h.lock is not None]
     for lock in held:
         lock.acquire()
     with open(_release + ".held", "w") as f:
@@ -94,15 +95,19 @@ def _hold() -> None:
 
 
 if _release:
-    # An app handler of its own on gunicorn.error (its lock is logging's usual RLock).
-    gunicorn_logger.addHandler(logging.StreamHandler(sys.stderr))
+    # An app handler of its own (its lock is logging's usual RLock): on its own logger, as
+    # one on gunicorn.error would block the arbiter's lines while held (logging's rule).
+    held_logger = logging.getLogger("heldapp")
+    held_logger.addHandler(logging.StreamHandler(sys.stderr))
+    held_logger.propagate = False
     threading.Thread(target=_hold, daemon=True).start()
     while not os.path.exists(_release + ".held"):
         time.sleep(0.01)
 
 
 def held_lock(environ: dict[str, Any], start_response: Start) -> Iterable[bytes]:
-    logging.getLogger("gunicorn.error").warning("worker logs while the arbiter's thread "
-                                                "held the handler locks at fork")
+    message = "worker logs while the arbiter's thread held the handler locks at fork"
+    logging.getLogger("gunicorn.error").warning(message)
+    logging.getLogger("heldapp").warning(message)
     start_response("200 OK", [("Content-Type", "text/plain")])
     return [b"ok\n"]
