@@ -237,12 +237,16 @@ class Log:
     # -- logging set-up ----------------------------------------------------------------
     def install(self, setup: Setup | None = None) -> None:
         """Wire the process's ``forkserve.error``/``forkserve.access`` (and gunicorn's names):
-        the arbiter at start, each worker right after fork (``setup`` kept: the same again).
-        Raises what dictConfig or the syslog connection raises."""
+        the arbiter at start with its ``setup``, each worker right after fork with none (the
+        same again: --log-config applied anew, a syslog connection of its own; handlers a
+        preloaded app added in the arbiter stay). Raises what dictConfig or the syslog
+        connection raises."""
+        fresh = setup is not None
         if setup is not None:
             self.setup = setup
         setup = self.setup
-        for handler in self.syslog:
+        old = self.syslog
+        for handler in old:
             handler.close()  # (a worker: the arbiter's connection, inherited)
         self.syslog = []
         # The aliases first: a dictConfig naming gunicorn.error must configure our logger.
@@ -253,25 +257,28 @@ class Log:
         mine = set(OURS) - setup.configured()
         if setup.syslog_to is not None:
             self.syslog = [syslog_handler(setup)]
-        if ERROR_LOGGER in mine:
-            error.handlers[:] = [self.handler, *self.syslog]  # in place: an app may hold the list
-            error.setLevel(LEVELS[self.level])
-            error.propagate = False
-        if ACCESS_LOGGER in mine:
-            access.handlers[:] = [*self.syslog]  # the worker adds its access log's own
-            access.setLevel(logging.INFO)
-            access.propagate = False
+        for logger, ours in ((error, [self.handler]), (access, [])):
+            if logger.name not in mine:
+                continue
+            if fresh:
+                kept: list[logging.Handler] = []
+            else:
+                kept = [h for h in logger.handlers if h not in old and h not in ours]
+            # In place: an app (Flask's recipe) may hold this very list.
+            logger.handlers[:] = [*ours, *self.syslog, *kept]
+            logger.setLevel(LEVELS[self.level] if logger is error else logging.INFO)
+            logger.propagate = False
         # dictConfig disables the loggers it does not name (disable_existing_loggers), and
         # naming gunicorn.error leaves forkserve.error "unnamed": ours stay on.
         error.disabled = access.disabled = False
         self.logger = error
 
     def attach_access(self, handler: logging.Handler) -> logging.Logger:
-        """A worker's access log: its handler on ``forkserve.access`` unless --log-config
-        gave that logger handlers of its own."""
+        """A worker's access log: its handler first on ``forkserve.access`` unless
+        --log-config gave that logger handlers of its own."""
         access = named_logger(ACCESS_LOGGER)
         if ACCESS_LOGGER not in self.setup.configured():
-            access.handlers[:] = [handler, *self.syslog]
+            access.handlers.insert(0, handler)
         return access
 
     def access_configured(self) -> bool:
