@@ -11,6 +11,7 @@ Imports only the standard library and yaml (never the arbiter, workers or http).
 from __future__ import annotations
 
 import argparse
+import configparser
 import grp
 import importlib.util
 import ipaddress
@@ -145,6 +146,8 @@ def read_log_config(path: str) -> dict[str, Any]:
             text = f.read()
     except OSError as exc:
         raise ValueError(exc.strerror or str(exc)) from None
+    if path.endswith((".ini", ".conf", ".cfg")) and re.search(r"^\[loggers\]", text, re.M):
+        return _ini_log_config(path, text)
     as_json = path.endswith(".json") or (not path.endswith((".yaml", ".yml"))
                                          and text.lstrip().startswith("{"))
     try:
@@ -158,6 +161,19 @@ def read_log_config(path: str) -> dict[str, Any]:
     if data.get("version") != 1:
         raise ValueError("a logging dictConfig needs version: 1")
     return dict(data)
+
+
+def _ini_log_config(path: str, text: str) -> dict[str, Any]:
+    """gunicorn's --log-config file: logging.config.fileConfig's INI. Kept as the path (the
+    logging set-up applies it with fileConfig) and the loggers it names (by qualname)."""
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        parser.read_string(text, path)
+        keys = [k.strip() for k in parser.get("loggers", "keys").split(",") if k.strip()]
+        names = {parser.get(f"logger_{k}", "qualname", fallback=k): {} for k in keys if k != "root"}
+    except configparser.Error as exc:
+        raise ValueError(f"not a valid logging INI file: {' '.join(str(exc).split())}") from None
+    return {"version": 1, "ini_file": path, "loggers": names}
 
 
 def _status_bind(value: Any) -> str | None:
@@ -582,7 +598,8 @@ SETTINGS: tuple[Setting, ...] = (
             flags=("--bind-group",), metavar="GROUP", reloadable=False),
     # -- logging integration (issue 15)
     Setting("log_config", _optional_text, None,
-            "a logging dictConfig file (YAML, or JSON: .json or text starting with {): applied "
+            "a logging dictConfig file (YAML, or JSON: .json or text starting with {; or "
+            "gunicorn's INI fileConfig: .ini/.conf/.cfg with [loggers]): applied "
             "in the arbiter and in each worker after fork; a logger it names (forkserve.error, "
             "forkserve.access or gunicorn's names) gets only its handlers, instead of "
             "--error-log / --access-log",

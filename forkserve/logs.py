@@ -253,7 +253,11 @@ class Log:
         error = named_logger(ERROR_LOGGER)
         access = named_logger(ACCESS_LOGGER)
         if setup.log_config is not None:
-            logging.config.dictConfig(copy.deepcopy(setup.log_config))
+            ini = setup.log_config.get("ini_file")
+            if ini is not None:  # gunicorn's INI --log-config
+                logging.config.fileConfig(ini, disable_existing_loggers=False)
+            else:
+                logging.config.dictConfig(copy.deepcopy(setup.log_config))
         mine = set(OURS) - setup.configured()
         if setup.syslog_to is not None:
             self.syslog = [syslog_handler(setup)]

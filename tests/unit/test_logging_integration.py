@@ -361,3 +361,51 @@ def test_a_worker_install_keeps_app_handlers_and_makes_its_own_syslog_connection
         assert sock.recv(4096).decode() == f"<134>unit[{os.getpid()}]: [INFO] to syslog n=1\x00"
         log.syslog[0].close()
         os.close(log.fd)
+
+
+GUNICORN_INI = """\
+[loggers]
+keys=root, gunicorn.error
+
+[handlers]
+keys=file
+
+[formatters]
+keys=generic
+
+[logger_root]
+level=INFO
+handlers=
+
+[logger_gunicorn.error]
+level=INFO
+handlers=file
+propagate=0
+qualname=gunicorn.error
+
+[handler_file]
+class=logging.FileHandler
+formatter=generic
+args=(%(path)r,)
+
+[formatter_generic]
+format=%(levelname)s %(name)s %(message)s
+"""
+
+
+def test_gunicorns_ini_log_config_is_applied_with_fileconfig(tmp_path: Path,
+                                                             clean_logging: None) -> None:
+    out = tmp_path / "ini.log"
+    path = tmp_path / "logging.conf"
+    path.write_text(GUNICORN_INI.replace("%(path)r", repr(str(out))))
+    config = read_log_config(str(path))
+    assert config["ini_file"] == str(path) and set(config["loggers"]) == {"gunicorn.error"}
+    log = Log(str(tmp_path / "e.log"))
+    log.install(Setup(config))
+    assert Setup(config).configured() == {ERROR_LOGGER}
+    log.info("through the ini", n=1)
+    for handler in logging.getLogger(ERROR_LOGGER).handlers:
+        handler.close()
+    assert out.read_text() == "INFO forkserve.error through the ini\n"
+    assert (tmp_path / "e.log").read_text() == ""
+    os.close(log.fd)
