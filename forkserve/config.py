@@ -170,7 +170,8 @@ def _ini_log_config(path: str, text: str) -> dict[str, Any]:
     try:
         parser.read_string(text, path)
         keys = [k.strip() for k in parser.get("loggers", "keys").split(",") if k.strip()]
-        names: dict[str, Any] = {parser.get(f"logger_{k}", "qualname", fallback=k): {} for k in keys if k != "root"}
+        names: dict[str, Any] = {parser.get(f"logger_{k}", "qualname", fallback=k): {}
+                                 for k in keys if k != "root"}
     except configparser.Error as exc:
         raise ValueError(f"not a valid logging INI file: {' '.join(str(exc).split())}") from None
     return {"version": 1, "ini_file": path, "loggers": names}
