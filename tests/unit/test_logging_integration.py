@@ -409,3 +409,35 @@ def test_gunicorns_ini_log_config_is_applied_with_fileconfig(tmp_path: Path,
     assert out.read_text() == "INFO forkserve.error through the ini\n"
     assert (tmp_path / "e.log").read_text() == ""
     os.close(log.fd)
+
+
+def test_a_handler_added_later_gets_records_and_ours_keeps_its_lines(
+        tmp_path: Path, clean_logging: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With our handler alone on forkserve.access no record is made (the line goes straight
+    to the buffer); one more handler (an app's, at any time) and every request is a record."""
+    log = Log(str(tmp_path / "e.log"))
+    log.install()
+    sink = AccessLog(str(tmp_path / "access.log"), "{method} {path} {status}")
+    sink.logger = log.attach_access(sink.handler)
+    made: list[int] = []
+    real_init = AccessRecord.__init__
+
+    def counting(self: AccessRecord, *args: Any) -> None:
+        made.append(1)
+        real_init(self, *args)
+
+    monkeypatch.setattr(AccessRecord, "__init__", counting)
+    sink.request("10.0.0.1", "GET", "/alone", "HTTP/1.1", 200, 1, None, None, STARTED, 0.1, "i")
+    assert made == []
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logging.getLogger("gunicorn.access").addHandler(Keep())
+    sink.request("10.0.0.1", "GET", "/shared", "HTTP/1.1", 200, 1, None, None, STARTED, 0.1, "i")
+    sink.close()
+    assert made == [1] and seen == ["GET /shared 200"]
+    assert lines(tmp_path / "access.log") == ["GET /alone 200", "GET /shared 200"]
+    os.close(log.fd)
