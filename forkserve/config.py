@@ -604,7 +604,8 @@ SETTINGS: tuple[Setting, ...] = (
             "in the arbiter and in each worker after fork; a logger it names (forkserve.error, "
             "forkserve.access or gunicorn's names) gets only its handlers, instead of "
             "--error-log / --access-log",
-            flags=("--log-config",), metavar="FILE", reloadable=False),
+            flags=("--log-config",), metavar="FILE", reloadable=False,
+            aliases=("--log-config-json",)),
     Setting("log_syslog", _bool, False,
             "also send the error log (and the access log, when on) to syslog",
             flags=("--log-syslog",), flag=True, reloadable=False),
