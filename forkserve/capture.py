@@ -49,11 +49,12 @@ class OutputCapture:
     def pipe(self) -> tuple[int, int]:
         """A new worker's pipe: (read end, write end), neither inherited by anyone else."""
         r, w = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(r, False)
         try:
             fcntl.fcntl(w, _SETPIPE, PIPE_SIZE)
         except OSError:
-            pass  # the kernel's default (64 KiB): over /proc/sys/fs/pipe-max-size, or no such call
-        os.set_blocking(r, False)
+            # The kernel's default (64 KiB) then: over /proc/sys/fs/pipe-max-size, or no such call.
+            return r, w
         return r, w
 
     def read_fds(self) -> list[int]:
