@@ -286,6 +286,23 @@ def test_capture_output_splits_long_lines_and_keeps_every_line(server_factory: A
     assert many == [f"many {n}" for n in range(3000)]
 
 
+def test_capture_output_does_not_block_a_worker_while_the_arbiter_is_stopped(
+        server_factory: Any) -> None:
+    """The bound: a worker writes up to the pipe's 1 MiB without its reader. With the arbiter
+    stopped (SIGSTOP), a request that prints ~230 KB (more than a default 64 KiB pipe) is
+    answered; once the arbiter runs again every line reaches the log."""
+    server = server_factory("--capture-output", app=PRINTING, workers=1).wait_ready()
+    (pid,) = worker_set(server, 1)
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        assert get(server.port, "/many?20000", timeout=20).status == 200
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    server.wait_log("many 19999", timeout=20)
+    many = [r["message"] for r in server.records() if r["pid"] == pid and r["message"].startswith("many ")]
+    assert many == [f"many {n}" for n in range(20000)]
+
+
 def test_without_capture_output_prints_stay_on_the_streams(server_factory: Any) -> None:
     server = server_factory(app=PRINTING, workers=1).wait_ready()
     get(server.port, "/print?plain")
