@@ -22,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import os
 import select
+import sys
 from typing import Any
 
 LINE_MAX = 16384  # longer lines are split in records of this many bytes
@@ -130,3 +131,14 @@ class OutputCapture:
                 self.reactor.remove(output.fd)
                 os.close(output.fd)
                 del self.outputs[output.fd]
+
+
+def flush_std_streams() -> None:
+    """What ``sys.stdout``/``sys.stderr`` buffer, written now: in the arbiter before a fork
+    (so no child holds a copy), in a worker before ``os._exit`` (its last partial print()
+    line, which --capture-output then tells at the pipe's end)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError, RuntimeError):
+            continue

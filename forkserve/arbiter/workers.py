@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from forkserve import signals as sigs
-from forkserve.capture import OutputCapture
+from forkserve.capture import OutputCapture, flush_std_streams
 from forkserve.counters import ExitCode, Kind, Record
 from forkserve.lifecycle import State
 from forkserve.arbiter.part import Part
@@ -157,6 +157,9 @@ class WorkerTable(Part):
                               imports_app=self.app is None)
         capture = self.capture
         output = capture.pipe() if capture is not None else None
+        # What a preloaded app printed and Python still buffers is written once, here: a
+        # child's copy would be written again when the worker flushes at its exit.
+        flush_std_streams()
         pid = sigs.fork_with_signals_blocked()
         if pid == 0:  # the child: never returns into the arbiter's loop
             try:

@@ -294,11 +294,6 @@ class Worker:
         stdout_copy = os.dup(1)  # (not inheritable)
         if self.log.fd in (1, 2):
             self.log.fd = os.dup(self.log.fd)
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()  # (what the arbiter left buffered is its own, already written)
-            except (OSError, ValueError, AttributeError):
-                continue
         os.dup2(self.output_fd, 1)
         os.dup2(self.output_fd, 2)
         os.close(self.output_fd)

@@ -303,6 +303,19 @@ def test_capture_output_does_not_block_a_worker_while_the_arbiter_is_stopped(
     assert many == [f"many {n}" for n in range(20000)]
 
 
+@pytest.mark.parametrize("capture", [False, True], ids=["plain", "capture"])
+def test_a_preloaded_apps_print_is_written_once(server_factory: Any, capture: bool) -> None:
+    """The arbiter flushes its buffered stdout before forking: workers that flush theirs at
+    exit have no copy of what the preloaded app printed at import."""
+    server = server_factory("--preload", *(["--capture-output"] if capture else []),
+                            app=PRINTING, workers=2).wait_ready()
+    worker_set(server, 2)
+    server.signal(signal.SIGTERM)
+    assert server.wait_exit() == 0
+    assert server.stdout_lines.count("printed at import") == 1, server.stdout_lines
+    assert server.count_log("printed at import") == 0
+
+
 def test_without_capture_output_prints_stay_on_the_streams(server_factory: Any) -> None:
     server = server_factory(app=PRINTING, workers=1).wait_ready()
     get(server.port, "/print?plain")
