@@ -7,7 +7,8 @@ loggers ``forkserve.error`` and ``forkserve.access`` (``gunicorn.error`` and ``g
 are the same two objects, so gunicorn recipes find their handlers and level), ``--log-config``
 (a dictConfig in YAML or JSON), ``--log-syslog``, level filtering, reopening the file on USR1,
 and how every log file of ours is opened (``open_append``: the arbiter checks the workers' files
-with it before forking). Imports only the standard library (and yaml, for --log-config).
+with it before forking). Imports only the standard library (forkserve.config reads the
+--log-config file; this module applies it).
 
 The one-line guarantee: each record is one ``os.write`` of one line on an ``O_APPEND``
 descriptor, so lines from the arbiter and every worker never interleave mid-line (up to
