@@ -217,9 +217,14 @@ class AccessLog:
         if logger is None or self._alone(logger):
             # Only our own handler would see the record: the line without one (what the record
             # would carry to it, at a fraction of the cost).
-            self.emit(self.line(Request(remote, method, target, protocol, status, size, referer,
-                                        agent, started, duration, request_id, environ,
-                                        response_headers)) + "\n")
+            if self.kind == "combined":
+                line = self.combined(remote, method, target, protocol, status, size, referer,
+                                     agent, started, duration, request_id)
+            else:
+                line = self.line(Request(remote, method, target, protocol, status, size, referer,
+                                         agent, started, duration, request_id, environ,
+                                         response_headers))
+            self.emit(line + "\n")
         elif logger.isEnabledFor(20):
             logger.handle(AccessRecord(self, remote, method, target, protocol, status, size,
                                        referer, agent, started, duration, request_id, environ,
@@ -235,14 +240,19 @@ class AccessLog:
                 and not logger.filters and not handler.filters and handler.formatter is None
                 and not logger.disabled and logger.isEnabledFor(20))
 
+    def combined(self, remote: str, method: str, target: str, protocol: str, status: int,
+                 size: int, referer: str | None, agent: str | None, started: float,
+                 duration: float, request_id: str) -> str:
+        return (f'{remote} - - [{self.timestamp(started)}] "{method} {_quote(target)} '
+                f'{protocol}" {status} {size if size else "-"} "{_quote(referer or "-")}" '
+                f'"{_quote(agent or "-")}" {duration:.6f} {_quote(request_id)}')
+
     def line(self, r: Request | AccessRecord) -> str:
         """The record's line, without its LF, in the configured format."""
         kind = self.kind
         if kind == "combined":
-            size = r.size
-            return (f'{r.remote} - - [{self.timestamp(r.started)}] "{r.method} {_quote(r.target)} '
-                    f'{r.protocol}" {r.status} {size if size else "-"} "{_quote(r.referer or "-")}" '
-                    f'"{_quote(r.agent or "-")}" {r.duration:.6f} {_quote(r.request_id)}')
+            return self.combined(r.remote, r.method, r.target, r.protocol, r.status, r.size,
+                                 r.referer, r.agent, r.started, r.duration, r.request_id)
         if kind == "atoms":
             return self.template % Atoms(self, r)
         target, duration = r.target, r.duration
