@@ -283,7 +283,9 @@ class Log:
         --log-config gave that logger handlers of its own."""
         access = named_logger(ACCESS_LOGGER)
         if ACCESS_LOGGER not in self.setup.configured():
-            access.handlers.insert(0, handler)
+            # One access log a process: an earlier one's handler (``forkserve_access``) goes.
+            others = [h for h in access.handlers if not getattr(h, "forkserve_access", False)]
+            access.handlers[:] = [handler, *others]
         return access
 
     def access_configured(self) -> bool:

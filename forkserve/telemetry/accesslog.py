@@ -142,6 +142,8 @@ class AccessHandler(logging.Handler):
     """forkserve's handler on ``forkserve.access``: the line into its AccessLog's buffer. No
     lock (``list.append``; the flush has its own), as the error log's handler."""
 
+    forkserve_access = True  # (forkserve.logs tells ours from an app's by it)
+
     def __init__(self, log: "AccessLog") -> None:
         super().__init__()
         self.access_log = log

@@ -87,7 +87,7 @@ def test_a_foreign_record_in_json_names_its_logger(tmp_path: Path) -> None:
 
 def test_install_makes_gunicorn_names_the_same_loggers(tmp_path: Path, clean_logging: None) -> None:
     log = Log(str(tmp_path / "e.log"), "warning", "text")
-    log.install()
+    log.install(Setup())  # as the arbiter does (a worker's install() keeps what it finds)
     error = logging.getLogger("gunicorn.error")
     assert error is logging.getLogger(ERROR_LOGGER) is log.logger
     assert logging.getLogger("gunicorn.access") is logging.getLogger(ACCESS_LOGGER)
@@ -416,7 +416,7 @@ def test_a_handler_added_later_gets_records_and_ours_keeps_its_lines(
     """With our handler alone on forkserve.access no record is made (the line goes straight
     to the buffer); one more handler (an app's, at any time) and every request is a record."""
     log = Log(str(tmp_path / "e.log"))
-    log.install()
+    log.install(Setup())
     sink = AccessLog(str(tmp_path / "access.log"), "{method} {path} {status}")
     sink.logger = log.attach_access(sink.handler)
     made: list[int] = []
