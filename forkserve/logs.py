@@ -288,6 +288,16 @@ class Log:
             access.handlers[:] = [handler, *others]
         return access
 
+    def fds(self) -> list[int]:
+        """The descriptors this log writes to: its own and its syslog connection's (a child
+        that closes everything else, the status stand-in, keeps these)."""
+        fds = [self.fd]
+        for handler in self.syslog:
+            sock = getattr(handler, "socket", None)
+            if sock is not None and sock.fileno() >= 0:
+                fds.append(sock.fileno())
+        return fds
+
     def access_configured(self) -> bool:
         return ACCESS_LOGGER in self.setup.configured()
 

@@ -235,6 +235,26 @@ def test_syslog_over_a_unix_datagram_socket(server_factory: Any, tmp_path: Path)
         assert workers  # (two workers served on the same socket meanwhile)
 
 
+def test_syslog_keeps_working_through_an_upgrade_and_its_status_stand_in(
+        server_factory: Any) -> None:
+    """USR2: the status stand-in (a child that closes every descriptor it does not need)
+    keeps the syslog connection, and the new image opens its own."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        server = server_factory("--log-syslog", "--log-syslog-to",
+                                f"udp://127.0.0.1:{sock.getsockname()[1]}",
+                                "--status-bind", "127.0.0.1:0").wait_ready()
+        server.signal(signal.SIGUSR2)
+        stand_in = server.wait_log("Upgrade: a status stand-in answers", timeout=30)["pid"]
+        server.wait_log("Upgrade: the status stand-in stopped", timeout=30)
+        got: list[str] = []
+        line = receive_until(sock, "Upgrade: the status stand-in stopped", got)
+        assert line.startswith(f"<14>forkserve[{stand_in}]: [INFO] "), line
+        server.wait_log("Upgrade complete", timeout=30)
+        receive_until(sock, "Upgrade complete", got)
+        assert "Logging error" not in server.log_text()
+
+
 def test_syslog_socket_missing_is_one_line_and_exit_2(tmp_path: Path) -> None:
     result = run_check("--log-syslog", "--log-syslog-to", f"unix://{tmp_path}/nothing",
                        "tests.apps.basic:app", tmp=tmp_path)
