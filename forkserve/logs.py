@@ -289,14 +289,20 @@ class Log:
         return access
 
     def fds(self) -> list[int]:
-        """The descriptors this log writes to: its own and its syslog connection's (a child
-        that closes everything else, the status stand-in, keeps these)."""
-        fds = [self.fd]
-        for handler in self.syslog:
-            sock = getattr(handler, "socket", None)
-            if sock is not None and sock.fileno() >= 0:
-                fds.append(sock.fileno())
-        return fds
+        """The descriptors the error log's handlers write to: ours, the syslog connection,
+        --log-config's files and sockets (a child that closes everything else, the status
+        stand-in, keeps these)."""
+        fds = {self.fd}
+        logger: logging.Logger | None = self.logger
+        while logger is not None:
+            for handler in logger.handlers:
+                for name in ("stream", "socket"):
+                    try:
+                        fds.add(getattr(handler, name).fileno())
+                    except (AttributeError, OSError, ValueError):
+                        continue  # none, closed, or not a real descriptor (io.StringIO)
+            logger = logger.parent if logger.propagate else None
+        return sorted(fd for fd in fds if fd >= 0)
 
     def access_configured(self) -> bool:
         return ACCESS_LOGGER in self.setup.configured()
