@@ -59,8 +59,12 @@ def run_check(*args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
 
 # -- 1. Flask's recipe: app.logger takes gunicorn.error's handlers and level ------------------
 
-def test_flask_recipe_writes_json_records_into_the_error_log(server_factory: Any) -> None:
-    server = server_factory(app=FLASK).wait_ready()
+@pytest.mark.parametrize("preload", [False, True], ids=["import-in-worker", "preload"])
+def test_flask_recipe_writes_json_records_into_the_error_log(server_factory: Any,
+                                                             preload: bool) -> None:
+    """(--preload: the recipe ran in the arbiter; each worker's logging set-up after fork
+    changes the handler list in place, so the app's logger still shares it.)"""
+    server = server_factory(*(["--preload"] if preload else []), app=FLASK).wait_ready()
     workers = worker_set(server, 2)
     request(server.port, "/log?msg=through%20the%20recipe")
     request(server.port, "/debug?msg=hidden")  # the recipe copies the level: info
