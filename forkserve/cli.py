@@ -16,14 +16,14 @@ from typing import Any, Sequence
 from setproctitle import setproctitle
 
 from forkserve import __version__
-from forkserve.config import (ENV_PREFIX, ConfigError, parse_args, provenance, resolve,
-                              unknown_env)
+from forkserve.config import (ENV_PREFIX, ConfigError, parse_args, provenance,
+                              read_log_config, resolve, unknown_env)
 from forkserve.counters import ExitCode
 from forkserve.gunicorn_flags import GUNICORN_CONFIG, python_config_advice
 from forkserve.handover import Handover, take
 from forkserve.hooks import Hooks, HooksError, load_hooks
 from forkserve.loader import AppLoadError, load_app, os_exit_reported
-from forkserve.logs import Log, open_error, probe_append
+from forkserve.logs import Log, Setup, open_error, probe_append, setup_error
 from forkserve.config import Config
 from forkserve.control import ControlError
 from forkserve.sockets import BindError
@@ -87,6 +87,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.env or config.pythonpath:
         log.info("Set for the application", env=",".join(config.env),
                  pythonpath=",".join(process_env.paths))
+    # After -e and --pythonpath: a --log-config handler class may live on that path.
+    problem = _install_logging(config, log)
+    if problem:
+        _say(f"error: {problem}")
+        return ExitCode.USAGE
     # The workers open these after fork (before dropping privileges, so as the user we are
     # now): one that cannot be opened is a configuration error to tell here, once, not a
     # traceback from every worker and a boot failure.
@@ -154,6 +159,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if store is not None:
             store.close()  # after an in-place upgrade's exec this never runs: the new image keeps it
+
+
+def _install_logging(config: Config, log: Log) -> str | None:
+    """forkserve.error/forkserve.access (and gunicorn's names) wired, --log-config applied and
+    --log-syslog connected, before anything is forked (--check included: a file that does not
+    apply is found there): what fails, as one line, or None."""
+    log_config = None
+    if config.log_config:
+        try:
+            log_config = read_log_config(config.log_config)
+        except ValueError as exc:
+            return f"--log-config {config.log_config}: {exc}"
+    setup = Setup(log_config, config.log_syslog_to if config.log_syslog else None,
+                  config.log_syslog_prefix, config.log_syslog_facility)
+    try:
+        log.install(setup)
+    except Exception as exc:  # dictConfig: ValueError, TypeError, ImportError, OSError...
+        if setup.syslog_to is not None and isinstance(exc, OSError):
+            return f"--log-syslog-to {setup.syslog_to}: {setup_error(exc)}"
+        return f"--log-config {config.log_config}: {setup_error(exc)}"
+    return None
 
 
 def _serve(config: Config, cli: dict[str, Any], args: list[str], start_cwd: str,

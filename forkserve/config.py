@@ -11,11 +11,14 @@ Imports only the standard library and yaml (never the arbiter, workers or http).
 from __future__ import annotations
 
 import argparse
+import configparser
 import grp
 import importlib.util
 import ipaddress
+import json
 import os
 import pwd
+import re
 import shlex
 import string
 import sys
@@ -159,6 +162,62 @@ def _bind(value: Any) -> str:
     return f"{host or '0.0.0.0'}:{number}"
 
 
+# logging.handlers.SysLogHandler.facility_names (config imports no logging).
+SYSLOG_FACILITIES = ("auth", "authpriv", "cron", "daemon", "ftp", "kern", "lpr", "mail", "news",
+                     "security", "syslog", "user", "uucp", *(f"local{n}" for n in range(8)))
+
+
+def _syslog_to(value: Any) -> str:
+    text = _text(value).strip()
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme not in ("unix", "udp", "tcp") or not rest:
+        raise ValueError(f"expected unix://PATH, udp://HOST:PORT or tcp://HOST:PORT; got {text!r}")
+    if scheme != "unix":
+        host, _, port = rest.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"expected {scheme}://HOST:PORT; got {text!r}")
+    return text
+
+
+def read_log_config(path: str) -> dict[str, Any]:
+    """--log-config: a logging dictConfig in JSON (``.json``, or text starting with ``{``) or
+    YAML; ValueError with one readable sentence."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ValueError(exc.strerror or str(exc)) from None
+    if path.endswith((".ini", ".conf", ".cfg")) and re.search(r"^\[loggers\]", text, re.M):
+        return _ini_log_config(path, text)
+    as_json = path.endswith(".json") or (not path.endswith((".yaml", ".yml"))
+                                         and text.lstrip().startswith("{"))
+    try:
+        data = json.loads(text) if as_json else yaml.safe_load(text)
+    except ValueError as exc:  # json.JSONDecodeError
+        raise ValueError(f"not valid JSON: {exc}") from None
+    except Exception as exc:  # yaml.YAMLError
+        raise ValueError(f"not valid YAML: {' '.join(str(exc).split())}") from None
+    if not isinstance(data, dict):  # (what dictConfig itself would say is less clear)
+        raise ValueError("expected a mapping (a logging dictConfig with version: 1)")
+    if data.get("version") != 1:
+        raise ValueError("a logging dictConfig needs version: 1")
+    return dict(data)
+
+
+def _ini_log_config(path: str, text: str) -> dict[str, Any]:
+    """gunicorn's --log-config file: logging.config.fileConfig's INI. Kept as the path (the
+    logging set-up applies it with fileConfig) and the loggers it names (by qualname)."""
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        parser.read_string(text, path)
+        keys = [k.strip() for k in parser.get("loggers", "keys").split(",") if k.strip()]
+        names: dict[str, Any] = {parser.get(f"logger_{k}", "qualname", fallback=k): {}
+                                 for k in keys if k != "root"}
+    except configparser.Error as exc:
+        raise ValueError(f"not a valid logging INI file: {' '.join(str(exc).split())}") from None
+    return {"version": 1, "ini_file": path, "loggers": names}
+
+
 def _status_bind(value: Any) -> str | None:
     if value is None or value == "":
         return None
@@ -168,27 +227,73 @@ def _status_bind(value: Any) -> str | None:
     return text
 
 
+# A header as an access-log field: {req_NAME} (request) or {resp_NAME} (response), NAME a
+# header name in any case (forkserve.telemetry.accesslog has the same pattern).
+ACCESS_LOG_HEADER = re.compile(r"(req|resp)_([A-Za-z0-9!#$%&'*+.^_`|~-]+)\Z")
+# gunicorn's access-log atoms (its --access-logformat): %(h)s and the like, %({name}i)s a
+# request header, %({name}o)s a response header, %({name}e)s an environ variable.
+ACCESS_LOG_ATOMS = {
+    "h": "remote address", "l": "-", "u": "user name (Basic auth)", "t": "[time] (Apache's)",
+    "r": "request line", "s": "status", "m": "method", "U": "path", "q": "query string",
+    "H": "protocol", "b": "body bytes, or -", "B": "body bytes", "f": "referer", "a": "user agent",
+    "T": "duration (s)", "D": "duration (us)", "M": "duration (ms)", "L": "duration (s, decimal)",
+    "p": "<pid>",
+}
+_ATOM = re.compile(r"%\(([^)]*)\)")
+_NUMBER_ATOMS = frozenset("sBTDM")
+
+
 def _access_log_format(value: Any) -> str:
     text = _text(value)
-    if text.strip().lower() in ("combined", "json"):
-        return text.strip().lower()
+    lowered = text.strip().lower()
+    if lowered in ("combined", "json"):
+        return lowered
+    if lowered.startswith("json:"):
+        names = [n.strip() for n in text.strip()[5:].split(",") if n.strip()]
+        bad = [n for n in names if not ACCESS_LOG_HEADER.match(n)]
+        if bad or not names:
+            raise ValueError(f"json:FIELDS takes header fields (req_NAME, resp_NAME), comma-"
+                             f"separated; got {', '.join(bad) or '(none)'}")
+        return "json:" + ",".join(names)
+    if "%(" in text:
+        return _gunicorn_format(text)
     if "{" not in text:
-        raise ValueError(f"expected combined, json or a template with {{fields}}; got {text!r}")
+        raise ValueError(f"expected combined, json, a template with {{fields}} or gunicorn "
+                         f"%(atoms)s; got {text!r}")
     try:
         names = [name for _, name, _, _ in string.Formatter().parse(text) if name is not None]
     except ValueError as exc:
         raise ValueError(f"bad access-log template {text!r}: {exc}") from None
-    unknown = sorted({n for n in names if n not in ACCESS_LOG_FIELDS})
+    unknown = sorted({n for n in names if n not in ACCESS_LOG_FIELDS
+                      and not ACCESS_LOG_HEADER.match(n)})
     if unknown or not names:
         raise ValueError(f"unknown field(s) {', '.join(unknown) or '(none given)'} in the "
-                         f"access-log template; fields: {', '.join(ACCESS_LOG_FIELDS)}")
+                         f"access-log template; fields: {', '.join(ACCESS_LOG_FIELDS)}, and "
+                         "req_HEADER / resp_HEADER")
     # A format spec or conversion that does not fit a field's type ({path:d}) would fail
     # on every request: try it now on values of the real types.
-    sample = {name: 0 if name in ACCESS_LOG_NUMBERS else "-" for name in ACCESS_LOG_FIELDS}
+    sample = {name: 0 if name in ACCESS_LOG_NUMBERS else "-" for name in names}
     try:
         text.format_map(sample)
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
         raise ValueError(f"bad access-log template {text!r}: {exc}") from None
+    return text
+
+
+def _gunicorn_format(text: str) -> str:
+    """gunicorn's atom format, checked: known atoms, and a %-format that works on them."""
+    keys = _ATOM.findall(text)
+    unknown = sorted({k for k in keys if k not in ACCESS_LOG_ATOMS and not (
+        len(k) > 3 and k[0] == "{" and k[-2] == "}" and k[-1] in "ioe")})
+    if unknown:
+        raise ValueError(f"unknown atom(s) {', '.join(unknown)} in the access-log format; "
+                         f"atoms: {', '.join(ACCESS_LOG_ATOMS)}, {{header}}i, {{header}}o, "
+                         "{variable}e")
+    sample = {k: 0 if k in _NUMBER_ATOMS else "-" for k in keys}
+    try:
+        text % sample
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"bad access-log format {text!r}: {exc}") from None
     return text
 
 
@@ -533,7 +638,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("access_log_format", _access_log_format, "combined",
             "access-log line: combined (Apache's, plus the duration), json, or a template of "
             "named fields such as '{remote_addr} {method} {path} {status} {duration_us}us "
-            "{request_id}' (the README lists the fields)",
+            "{request_id}' (the README lists the fields; {req_NAME} and {resp_NAME} are any "
+            "request or response header), json (json:req_NAME,resp_NAME adds headers), or "
+            "gunicorn's atom format (h l u t r s b f a ...)",
             flags=("--access-log-format",), aliases=("--access-logformat",), metavar="FORMAT"),
     Setting("status_bind", _status_bind, None,
             "HOST:PORT of the status server (/healthz /readyz /metrics /status), served by the "
@@ -607,6 +714,30 @@ SETTINGS: tuple[Setting, ...] = (
             "group of the unix sockets forkserve binds (default: --group, else unchanged)",
             flags=("--bind-group",), metavar="GROUP", reloadable=False),
     # -- logging integration (issue 15)
+    Setting("log_config", _optional_text, None,
+            "a logging dictConfig file (YAML, or JSON: .json or text starting with {; or "
+            "gunicorn's INI fileConfig: .ini/.conf/.cfg with [loggers]): applied "
+            "in the arbiter and in each worker after fork; a logger it names (forkserve.error, "
+            "forkserve.access or gunicorn's names) gets only its handlers, instead of "
+            "--error-log / --access-log",
+            flags=("--log-config",), metavar="FILE", reloadable=False,
+            aliases=("--log-config-json",)),
+    Setting("log_syslog", _bool, False,
+            "also send the error log (and the access log, when on) to syslog",
+            flags=("--log-syslog",), flag=True, reloadable=False),
+    Setting("log_syslog_to", _syslog_to, "unix:///dev/log",
+            "where syslog is: unix://PATH, udp://HOST:PORT or tcp://HOST:PORT",
+            flags=("--log-syslog-to",), metavar="ADDRESS", reloadable=False),
+    Setting("log_syslog_prefix", _text, "forkserve",
+            "syslog tag (the program name before [pid]:)",
+            flags=("--log-syslog-prefix",), metavar="NAME", reloadable=False),
+    Setting("log_syslog_facility", _choice(*SYSLOG_FACILITIES), "user",
+            "syslog facility (user, daemon, local0...local7, ...)",
+            flags=("--log-syslog-facility",), metavar="FACILITY", reloadable=False),
+    Setting("capture_output", _bool, False,
+            "send what workers write to their stdout and stderr (print(), C libraries) to the "
+            "error log, a record per line with the worker's pid",
+            flags=("--capture-output",), flag=True, reloadable=False),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS}

@@ -96,8 +96,6 @@ GUNICORN_ONLY: tuple[GunicornOnly, ...] = (
     GunicornOnly(("--logger-class",), "logger_class", True,
                  "forkserve has no logger class: configure its loggers (forkserve.error and "
                  "forkserve.access) with --log-config FILE"),
-    GunicornOnly(("--log-config-json",), "logconfig_json", True,
-                 "give the JSON file to --log-config FILE (a dictConfig, in YAML or JSON)"),
     GunicornOnly(("-R", "--enable-stdio-inheritance"), "enable_stdio_inheritance", False,
                  "forkserve never daemonizes: its workers always inherit stdout and stderr",
                  ignored=True),

@@ -40,6 +40,7 @@ from forkserve.hooks import HookLog, Hooks, ServerInfo
 from forkserve.lifecycle import Event, State, next_state
 from forkserve.logs import Log
 from forkserve.reactor import Reactor
+from forkserve.capture import OutputCapture
 from forkserve.sockets import Listener
 from forkserve.status import StatusServer
 from forkserve.workers import worker_class
@@ -110,6 +111,8 @@ class Arbiter(WorkerTable, Drain, Generations, Upgrade, Handoff, Observe, Comman
             signal.SIGCHLD: self.reap,
         }
         self.reactor = reactor = Reactor()
+        if self.config.capture_output:
+            self.capture = OutputCapture(reactor, self.log)
         # The signal and counter pipes wake the loop; each round reads them itself, first.
         reactor.add(self.signals.fileno(), select.POLLIN, read_each_round)
         reactor.add(self.counter_r, select.POLLIN, read_each_round)
@@ -179,6 +182,8 @@ class Arbiter(WorkerTable, Drain, Generations, Upgrade, Handoff, Observe, Comman
             listener.close(unlink=True)
         if self.control is not None:
             self.control.close()
+        if self.capture is not None:
+            self.capture.close()  # what the last workers wrote, before the closing line
         self.hooks.call("on_exit", self.log, self.server_info)
         self.log.info("Server stopped", exit_code=int(self.exit_code))
         # Last: the status server answered through the whole drain. (The cli then removes

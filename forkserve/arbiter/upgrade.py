@@ -231,7 +231,7 @@ class Upgrade(Part):
         if pid == 0:  # the child: never returns into the arbiter's loop
             code: int = ExitCode.ERROR
             try:
-                keep = sorted({self.log.fd, server.fileno(), self.alive_r, *server.clients}
+                keep = sorted({*self.log.fds(), server.fileno(), self.alive_r, *server.clients}
                               - {0, 1, 2, -1})
                 for low, high in zip([2, *keep], [*keep, os.sysconf("SC_OPEN_MAX")]):
                     if low + 1 < high:  # (an empty range would be read as "to the end")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from forkserve import signals as sigs
+from forkserve.capture import OutputCapture, flush_std_streams
 from forkserve.counters import ExitCode, Kind, Record, retiring_reason
 from forkserve.hooks import WorkerInfo
 from forkserve.lifecycle import State
@@ -148,6 +149,7 @@ class WorkerTable(Part):
     """The arbiter's workers (a mixin of :class:`forkserve.arbiter.Arbiter`)."""
 
     workers: dict[int, WorkerHandle] = field(default_factory=dict)
+    capture: OutputCapture | None = None  # --capture-output: the workers' stdout/stderr pipes
     respawn_after: float = 0.0  # no spawn before (boots failing: a backoff, never a fork loop)
     boot_failures: int = 0
     spawned_count: int = 0  # workers spawned so far: a worker's age, for the hooks
@@ -162,6 +164,11 @@ class WorkerTable(Part):
                               deaf=self.paused,  # spawned while paused: it has no listener
                               imports_app=self.app is None, info=info)
         self.hooks.call("pre_fork", self.log, server, info)
+        capture = self.capture
+        output = capture.pipe() if capture is not None else None
+        # What a preloaded app printed and Python still buffers is written once, here: a
+        # child's copy would be written again when the worker flushes at its exit.
+        flush_std_streams()
         pid = sigs.fork_with_signals_blocked()
         if pid == 0:  # the child: never returns into the arbiter's loop
             try:
@@ -170,11 +177,18 @@ class WorkerTable(Part):
                     self.alive_r, self.log, self.app,
                     close_fds=[self.counter_r, self.alive_w, self.signals.read_fd,
                                self.signals.write_fd, *self.control_fds(), *self.watch_fds(),
-                               *(self.status_server.fds() if self.status_server else ())],
+                               *(self.status_server.fds() if self.status_server else ()),
+                               *(capture.read_fds() if capture is not None else ()),
+                               output[0] if output is not None else -1],
                     hooks=self.hooks, server_info=server, info=info)
+                if output is not None:
+                    worker.output_fd = output[1]
                 worker.run_child()
             finally:
                 os._exit(ExitCode.ERROR)
+        if output is not None and capture is not None:
+            os.close(output[1])  # the worker's alone: its exit is the pipe's end of file
+            capture.watch(output[0], pid)
         info.pid = handle.pid = pid
         self.workers[pid] = handle
         self.log.info("Spawned worker", worker=worker_id, pid=pid, generation=self.generation)
@@ -266,6 +280,8 @@ class WorkerTable(Part):
             if self.reaped_upgrade_child(pid, status):
                 continue
             handle = self.workers.pop(pid, None)
+            if self.capture is not None:
+                self.capture.gone(pid)  # what it printed last, before the line of its exit
             if handle is not None:
                 self.on_exit(handle, status)
 

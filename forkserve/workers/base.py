@@ -207,6 +207,7 @@ class Worker:
         self.recycles = bool(self.rss_limit or self.lifetime)  # checked with each heartbeat
         self.wakeup_r = self.wakeup_w = -1
         self.arbiter_pid = os.getppid()  # (built in the child, right after the fork)
+        self.output_fd = -1  # --capture-output: the write end of the arbiter's pipe for us
 
     # -- the child's life ----------------------------------------------------------------
     def _enter(self, event: WorkerEvent) -> bool:
@@ -249,6 +250,7 @@ class Worker:
             self._close_pool()
             self._flush_telemetry()  # forkserve's own first: nothing below can hold it back
             self._exit_cleanup(code)
+            _flush_std_streams()  # a last partial print() line (atexit's too), for --capture-output
         os._exit(code)
 
     def _exit_cleanup(self, code: int) -> None:
@@ -315,10 +317,17 @@ class Worker:
         self.counters.pid = os.getpid()
         name = self.settings.proc_name or self.settings.app
         _set_title(f"forkserve: worker {self.worker_id} [{name}]")
-        if self.settings.access_log:
+        stdout_fd = None
+        if self.output_fd >= 0:
+            stdout_fd = self._capture_output()
+        # The logging set-up again, in this process: --log-config's handlers (their files,
+        # sockets, threads) and the syslog connection are this worker's own.
+        self.log.install()
+        if self.settings.access_log or self.log.access_configured():
             # Its write failures (a full disk) are told in the error log, rate-limited.
             self.access_log = AccessLog(self.settings.access_log, self.settings.access_log_format,
-                                        errors=self.log)
+                                        errors=self.log, stdout_fd=stdout_fd)
+            self.access_log.logger = self.log.attach_access(self.access_log.handler)
             self.request_ids = RequestIds()
         if self.settings.metrics_dir:
             try:
@@ -338,6 +347,24 @@ class Worker:
         signal.signal(ORPHAN_SIGNAL, self._on_orphaned)
         if sigs.on_parent_death(ORPHAN_SIGNAL) and os.getppid() != self.arbiter_pid:
             self.arbiter_gone()
+
+    def _capture_output(self) -> int:
+        """--capture-output: fd 1 and 2 become the pipe the arbiter reads (every write to them,
+        print() or a C library's, reaches the error log a line at a time). The error log, when
+        it is stderr, and an access log on stdout keep the real ones (a copy of each), or each
+        of their lines would come back as captured output. Returns that copy of stdout."""
+        stdout_copy = os.dup(1)  # (not inheritable)
+        if self.log.fd in (1, 2):
+            self.log.fd = os.dup(self.log.fd)
+        os.dup2(self.output_fd, 1)
+        os.dup2(self.output_fd, 2)
+        os.close(self.output_fd)
+        self.output_fd = -1
+        for stream in (sys.stdout, sys.stderr):
+            reconfigure = getattr(stream, "reconfigure", None)
+            if reconfigure is not None:
+                reconfigure(line_buffering=True)  # each print()'s line goes at once
+        return stdout_copy
 
     def _drop_privileges(self) -> None:
         """--user/--group: after what needs root (the logs are open) and before the app is
@@ -695,6 +722,16 @@ def drain_pipe(fd: int) -> None:
             continue
     except BlockingIOError:
         return
+
+
+def _flush_std_streams() -> None:
+    """Before os._exit: what sys.stdout/sys.stderr still buffer (a print() without a newline)
+    goes out, so --capture-output's reader gets it (a partial line is told at EOF)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError, RuntimeError):
+            continue
 
 
 def _set_title(title: str) -> None:

@@ -680,7 +680,8 @@ class Pipeline(Worker):
                 access_log.request(
                     environ["REMOTE_ADDR"], request.method, environ["RAW_URI"],
                     environ["SERVER_PROTOCOL"], status, exchange.sent, environ.get("HTTP_REFERER"),
-                    environ.get("HTTP_USER_AGENT"), started, duration, request_id)
+                    environ.get("HTTP_USER_AGENT"), started, duration, request_id, environ,
+                    exchange.headers)
         if self.spans is not None:
             self.spans.flush_if_due()
         now = time.monotonic()

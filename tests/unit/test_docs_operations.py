@@ -5,7 +5,7 @@ registry, plus --check, --print-config, --help and --version; not the hidden gun
 flags, which only say what to use instead) or of ``forkserve status``. The exceptions: the
 first column of the migration table (``<!-- migration-table:start -->`` ... ``end``), which is
 gunicorn's, a few other programs' flags the guide quotes, each allowed only in a paragraph that
-names its program, and ``PENDING_FLAGS`` below.
+names its program.
 
 The migration table has a row for every gunicorn setting, in the group gunicorn's settings
 reference puts it in (``GUNICORN_SETTINGS``, transcribed from gunicorn 27's reference; where
@@ -42,17 +42,6 @@ FOREIGN = {
     "--mount-proc": "unshare",
 }
 
-# ---------------------------------------------------------------------------------------------
-# PENDING_FLAGS: flags the other issue-15 branches add (hooks: helper A; logging: B; reload: D;
-# worker recycling and request timeouts: E). The migration table already names them as they
-# will be; until their branch is merged they are tolerated as missing. The lead deletes this
-# set (and its uses) once everything is merged: test_pending_flags_are_still_pending fails for
-# each one that exists, to say so.
-PENDING_FLAGS = {
-    "--log-config", "--log-syslog", "--log-syslog-to", "--log-syslog-prefix",  # B
-    "--log-syslog-facility", "--capture-output",  # B
-}
-# ---------------------------------------------------------------------------------------------
 
 # gunicorn's settings, by the group of its settings reference (gunicorn 27.0; its order).
 GUNICORN_SETTINGS = {
@@ -177,7 +166,7 @@ def text_without_gunicorn_column(text: str) -> str:
 
 
 def test_every_flag_in_the_guide_exists(capsys: pytest.CaptureFixture[str]) -> None:
-    known = forkserve_flags(capsys) | PENDING_FLAGS
+    known = forkserve_flags(capsys)
     text = text_without_gunicorn_column(DOC.read_text(encoding="utf-8"))
     # The migration notes may also name the gunicorn flags forkserve ignores or refuses (its
     # parser knows them, to say what to use instead), and only they.
@@ -202,16 +191,10 @@ def test_the_migration_table_names_forkserve_flags_that_exist(
     rows = migration_rows(DOC.read_text(encoding="utf-8"))
     assert len(rows) > 100
     named = {flag for _, row in rows for flag in FLAG.findall(row[1])}
-    assert named and named - PENDING_FLAGS <= known, sorted(named - PENDING_FLAGS - known)
+    assert named and named <= known, sorted(named - known)
     shorts = {flag for _, row in rows for flag in SHORT.findall(row[1])}
     ours = {f for s in SETTINGS for f in (*s.flags, *s.aliases) if not f.startswith("--")}
     assert shorts and shorts <= ours, sorted(shorts - ours)
-
-
-def test_pending_flags_are_still_pending(capsys: pytest.CaptureFixture[str]) -> None:
-    """Once a branch is merged its flags exist: delete them from PENDING_FLAGS."""
-    done = PENDING_FLAGS & forkserve_flags(capsys)
-    assert not done, f"merged: delete {sorted(done)} from PENDING_FLAGS"
 
 
 def test_every_gunicorn_setting_has_a_row_in_its_group() -> None:
@@ -264,7 +247,7 @@ def test_every_gunicorn_flag_gets_an_answer() -> None:
     known = set(build_argparser("test")._option_string_actions)
     rows = migration_rows(DOC.read_text(encoding="utf-8"))
     theirs = {c for _, row in rows for c in CODE.findall(row[0]) if c.startswith("-")}
-    unanswered = sorted(theirs - known - PENDING_FLAGS - LEFT_UNRECOGNIZED)
+    unanswered = sorted(theirs - known - LEFT_UNRECOGNIZED)
     assert not unanswered, f"gunicorn flags forkserve's parser does not know: {unanswered}"
 
 

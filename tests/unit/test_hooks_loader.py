@@ -4,6 +4,7 @@ server: what a hooks module or file gives, what it is refused for, what it is wa
 from __future__ import annotations
 
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,7 +23,10 @@ class Recorder(Log):
         super().__init__("-", "debug")
         self.records: list[tuple[int, str, dict[str, Any]]] = []
 
-    def log(self, level: int, message: str, fields: dict[str, Any]) -> None:
+    def log(self, level: int, message: str, fields: dict[str, Any],
+            exc: BaseException | None = None) -> None:
+        if exc is not None:  # (the traceback, in the one record, as Log's text format has it)
+            message += "\n" + "".join(traceback.format_exception(exc))
         self.records.append((level, message, fields))
 
     def warnings(self) -> list[str]:
