@@ -118,19 +118,25 @@ def _exc_text(record: logging.LogRecord) -> str:
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
 
 
+def _body(record: logging.LogRecord) -> str:
+    """The message, its traceback on the lines after it, then the ``key=value`` fields (the
+    text and syslog formats alike)."""
+    message = record.getMessage()
+    tb = _exc_text(record)
+    if tb:
+        message = message + "\n" + tb
+    fields = getattr(record, "fields", None)
+    extra = "".join(f" {k}={_text_value(v)}" for k, v in fields.items()) if fields else ""
+    return message + extra
+
+
 class TextFormatter(logging.Formatter):
     """``[2024-01-01T12:00:00.000Z] [pid] [LEVEL] message key=value ...``: the default format
     (``--log-format text``). A record's ``fields`` (a dict) become the ``key=value`` pairs; a
     traceback follows the message on its own lines."""
 
     def format(self, record: logging.LogRecord) -> str:
-        message = record.getMessage()
-        tb = _exc_text(record)
-        if tb:
-            message = message + "\n" + tb
-        fields = getattr(record, "fields", None)
-        extra = "".join(f" {k}={_text_value(v)}" for k, v in fields.items()) if fields else ""
-        return f"[{_iso(record.created)}] [{record.process}] [{record.levelname}] {message}{extra}"
+        return f"[{_iso(record.created)}] [{record.process}] [{record.levelname}] {_body(record)}"
 
 
 class JSONFormatter(logging.Formatter):
@@ -165,13 +171,7 @@ class SyslogFormatter(logging.Formatter):
         self.prefix = prefix
 
     def format(self, record: logging.LogRecord) -> str:
-        message = record.getMessage()
-        tb = _exc_text(record)
-        if tb:
-            message = message + "\n" + tb
-        fields = getattr(record, "fields", None)
-        extra = "".join(f" {k}={_text_value(v)}" for k, v in fields.items()) if fields else ""
-        return f"{self.prefix}[{record.process}]: [{record.levelname}] {message}{extra}"
+        return f"{self.prefix}[{record.process}]: [{record.levelname}] {_body(record)}"
 
 
 def formatter(fmt: str) -> logging.Formatter:

@@ -18,19 +18,7 @@ from forkserve.config import (BY_NAME, GUNICORN, NOTES, SETTINGS, ConfigError, b
                               parse_args, provenance, resolve)
 from forkserve.procenv import ProcessEnv
 
-APP = "tests.apps.basic:app"
-
-
-def cli(*argv: str) -> dict[str, Any]:
-    values, check = parse_args(list(argv), "test")
-    assert check is False
-    return values
-
-
-def yaml_file(tmp_path: Path, text: str) -> str:
-    path = tmp_path / "forkserve.yaml"
-    path.write_text(text)
-    return str(path)
+from tests.unit.test_config import APP, cli, yaml_file
 
 
 # -- aliases ------------------------------------------------------------------------------------
