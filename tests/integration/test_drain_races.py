@@ -152,8 +152,11 @@ def test_queue_served_at_stop_after_a_failed_takeover(server_factory: Any, gates
                              workers=1).wait_ready()
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         successor = subprocess.run(
+            # -b the taken address: without it the successor would also bind the default
+            # 127.0.0.1:8000, which anything else on the machine may hold.
             [sys.executable, "-m", "forkserve", "--takeover", str(ctl), "-w", "1",
-             "tests.apps.basic:nonexistent"], cwd=ROOT, env=env, capture_output=True, timeout=60)
+             "-b", f"127.0.0.1:{old.port}", "tests.apps.basic:nonexistent"], cwd=ROOT, env=env,
+            capture_output=True, timeout=60)
         assert successor.returncode == 4, successor.stderr.decode()
         assert old.proc.poll() is None
         gate = gates()
