@@ -26,6 +26,7 @@ from setproctitle import setproctitle
 
 from forkserve import signals as sigs
 from forkserve.background import BackgroundPool
+from forkserve.capture import flush_std_streams
 from forkserve.context import RequestCancelled, RequestContext
 from forkserve.counters import ExitCode, Kind, Writer, retiring_text
 from forkserve.exits import Budget, run_atexit, run_exit_functions
@@ -250,7 +251,7 @@ class Worker:
             self._close_pool()
             self._flush_telemetry()  # forkserve's own first: nothing below can hold it back
             self._exit_cleanup(code)
-            _flush_std_streams()  # a last partial print() line (atexit's too), for --capture-output
+            flush_std_streams()  # a last partial print() line (atexit's too), for --capture-output
         os._exit(code)
 
     def _exit_cleanup(self, code: int) -> None:
@@ -722,16 +723,6 @@ def drain_pipe(fd: int) -> None:
             continue
     except BlockingIOError:
         return
-
-
-def _flush_std_streams() -> None:
-    """Before os._exit: what sys.stdout/sys.stderr still buffer (a print() without a newline)
-    goes out, so --capture-output's reader gets it (a partial line is told at EOF)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError, RuntimeError):
-            continue
 
 
 def _set_title(title: str) -> None:

@@ -152,12 +152,12 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"", "arbiter", "config", "control", "counters", "gunicorn_flags", "handover",
             "hooks", "loader", "logs", "metrics", "pidfile", "procenv", "sockets", "statusview",
             "systemd", "tls"},
-    "arbiter": {"", "capture", "config", "control", "counters", "handover", "hooks", "lifecycle", "logs",
-                "metrics", "procenv", "reactor", "reloader", "signals", "sockets", "standin",
-                "status", "systemd", "tls", "workers"},
-    "workers": {"background", "context", "counters", "exits", "hooks", "http", "loader", "logs",
-                "metrics",
-                "proxy", "signals", "sockets", "telemetry", "tls", "wsgi"},
+    "arbiter": {"", "capture", "config", "control", "counters", "handover", "hooks",
+                "lifecycle", "logs", "metrics", "procenv", "reactor", "reloader", "signals",
+                "sockets", "standin", "status", "systemd", "tls", "workers"},
+    "workers": {"background", "capture", "context", "counters", "exits", "hooks", "http",
+                "loader", "logs", "metrics", "proxy", "signals", "sockets", "telemetry", "tls",
+                "wsgi"},
     "wsgi": {"http"},
     # The default worker count reads the CPU quota (stdlib only, like config itself); gunicorn's
     # flags that are no settings, and its worker-class names.
