@@ -428,8 +428,7 @@ class ThreadWorker(Pipeline):
             if context.timed_out:
                 # Sent just as the request was ending, the exception may still be pending in
                 # this thread: cleared (NULL), it cannot land in what the thread does next.
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()),
-                                                           None)
+                _raise_in(threading.get_ident(), None)
 
     def next_request_deadline(self, now: float) -> float:
         with self.timing_lock:
@@ -439,8 +438,7 @@ class ThreadWorker(Pipeline):
         with self.timing_lock:
             for _, conn in self.overdue_requests(now):
                 if conn.owner is not None:
-                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(conn.owner),
-                                                               ctypes.py_object(RequestTimedOut))
+                    _raise_in(conn.owner, RequestTimedOut)
 
     def _on_cancel(self, signum: int, frame: Any) -> None:
         """USR2 (the drain deadline): RequestCancelled in every thread serving a request; a
@@ -451,14 +449,9 @@ class ThreadWorker(Pipeline):
             # A thread waiting on its client (conn.waiting) is ended by the stop pipe; one in
             # the application gets the exception (a second one would cut its 503 short).
             if ident is not None and conn.in_request and not conn.waiting:
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident),
-                                                           ctypes.py_object(RequestCancelled))
-        # Connections the app took over (WebSockets) are shut down: the app's waits on them
-        # end (a WebSocket library's receive() wakes), and the exception thrown above is
-        # pending by then, so it lands in the app, not after it.
-        for conn in list(self.connections):
-            if conn.taken:
-                conn.cut()
+                _raise_in(ident, RequestCancelled)
+        # The exception thrown above is pending by now, so it lands in the app, not after it.
+        self._cut_taken()
         # Only now: a thread the pipe wakes from a wait (a body read) raises RequestCancelled
         # itself and is no longer `waiting`; had the pipe been written first, the loop above
         # could see it so and throw it a second one, into its shutdown functions.
@@ -469,10 +462,22 @@ class ThreadWorker(Pipeline):
         reload): connections the app took over are shut down too, so that their threads,
         waiting on their clients in the app, end within the join below (serve) instead of
         holding the worker until the arbiter's SIGKILL."""
+        self._cut_taken()
+        super()._on_hard(signum, frame)
+
+    def _cut_taken(self) -> None:
+        """-- runs in a signal handler. Connections the app took over (WebSockets) are shut
+        down: the app's waits on them end (a WebSocket library's receive() wakes)."""
         for conn in list(self.connections):
             if conn.taken:
                 conn.cut()
-        super()._on_hard(signum, frame)
+
+
+def _raise_in(ident: int, exc_type: type[BaseException] | None) -> None:
+    """``exc_type`` raised in thread ``ident`` when it next runs Python (None: clears one
+    still pending there)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(ident), None if exc_type is None else ctypes.py_object(exc_type))
 
 
 __all__ = ["ThreadWorker"]
