@@ -189,6 +189,11 @@ class Request:
 Event = Union[Request, bytes, EndOfMessage, HTTPError]
 
 
+# The fields on_header looks at (the rest it only counts and keeps).
+_FRAMING_FIELDS = frozenset({b"content-length", b"transfer-encoding", b"host", b"content-type",
+                             b"expect", b"connection"})
+
+
 class RequestParser:
     """Feeds llhttp and turns its callbacks into a queue of events."""
 
@@ -469,7 +474,8 @@ class RequestParser:
         self._body_last = False
         value = value.rstrip(b" \t")  # llhttp strips leading OWS only (RFC 9110 §5.5)
         limits = self.limits
-        if len(name) + len(value) > limits.field_size:
+        size = len(name) + len(value)
+        if size > limits.field_size:
             raise HTTPError(431, "Request header field too large")
         if not self._in_head:
             # A chunked trailer field: not passed on to WSGI, but counted as the head's
@@ -485,8 +491,10 @@ class RequestParser:
         if len(headers) >= limits.fields:
             raise HTTPError(431, "Too many request header fields")
         headers.append((name, value))
-        self._field_bytes += len(name) + len(value) + 4
+        self._field_bytes += size + 4
         lname = name.lower()
+        if lname not in _FRAMING_FIELDS:
+            return  # (most fields: one set lookup, not six comparisons)
         if lname == b"content-length":
             self._content_length = int(value)
         elif lname == b"transfer-encoding":
@@ -498,11 +506,13 @@ class RequestParser:
             self._content_types += 1
         elif lname == b"expect":
             self._expect = value.strip().lower() == b"100-continue"
-        elif lname == b"connection" and b"close" in value.lower() and not self._close:
+        elif lname == b"connection" and not self._close:
             # llhttp reads only some shapes ("keep-alive, close" on HTTP/1.0 keeps the
             # connection alive, as does a second Connection field): a close token anywhere,
             # in any Connection field, closes (RFC 9112 §9.6).
-            self._close = any(t.strip() == b"close" for t in value.lower().split(b","))
+            value = value.lower()
+            self._close = value == b"close" or b"close" in value and b"close" in [
+                token.strip() for token in value.split(b",")]
 
     def on_headers_complete(self) -> None:
         self._in_head = False

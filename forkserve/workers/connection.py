@@ -29,6 +29,7 @@ RECV_SIZE = 65536
 # for at most this long and this much: a client that keeps sending is cut then.
 LINGER_TIME = 1.0
 LINGER_BYTES = 4 * RECV_SIZE
+MSG_PEEK_NOW = socket.MSG_PEEK | socket.MSG_DONTWAIT  # (Connection.sent_more)
 # After a response, at most this much of a body the app did not read is read and dropped to
 # keep the connection; a larger rest costs less to the client as a reconnect.
 DISCARD_LIMIT = 65536
@@ -445,7 +446,20 @@ class Connection:
         read (a request pipelined behind one that asked to close: closing on it would reset
         the connection, and the client could lose the response it is reading)."""
         parser = self.parser
-        return parser.pending() != 1 or parser.peek_event() is not END or self.readable_now()
+        return parser.pending() != 1 or parser.peek_event() is not END or self.sent_more()
+
+    def sent_more(self) -> bool:
+        """Are there bytes from the client the kernel holds that we have not read? Unlike
+        ``readable_now``, the client's end of stream alone is no: a client that read its
+        response and closed (a ``Connection: close`` client, at once on loopback) has sent
+        nothing a close could reset, and lingering on it cost a shutdown, a poll and a loop
+        trip per connection. One peek, no wait (TLS: a poll; a peek would read a record)."""
+        if self._ssl is not None:
+            return self.readable_now()
+        try:
+            return bool(self.sock.recv(1, MSG_PEEK_NOW))
+        except OSError:  # nothing yet (BlockingIOError), or reset: nothing to keep from loss
+            return False
 
     def discard_body(self, request: Request) -> bool:
         """Drop what is left of the body; False when the connection cannot be reused."""

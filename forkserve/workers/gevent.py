@@ -25,12 +25,13 @@ import sys
 import time
 import warnings
 from dataclasses import replace
+from select import POLLOUT
 from typing import Any
 
 from forkserve.context import RequestCancelled, RequestContext, RequestTimedOut
 from forkserve.sockets import Listener
 from forkserve.workers.base import HardStop, WorkerEvent, WorkerState, drain_pipe
-from forkserve.workers.connection import Abandoned, Connection
+from forkserve.workers.connection import AWAITING, Abandoned, Connection, Timeout
 from forkserve.workers.pipeline import Pipeline, stop_grace_end
 
 RUNNING = WorkerState.RUNNING
@@ -40,6 +41,76 @@ class _Wake(Exception):
     """Thrown into an acceptor to make it look at the worker's state again."""
 
 
+class GreenConnection(Connection):
+    """A gevent worker's connection: its waits (for the client, and the interrupt fd: the stop
+    pipes) are io watchers and a timer on gevent's loop, made once per connection and wait,
+    not the patched ``select.poll``, which builds watchers, a Timeout and a result list on
+    every call (a sixth of a keep-alive request's CPU time). The same contract as
+    Connection._wait_loop: the cutoff, Timeout, Abandoned, ``interrupted``."""
+
+    __slots__ = ("_watchers",)
+
+    def _wait(self, flag: int, deadline: float) -> None:
+        self.waiting = True
+        try:
+            self._green_wait(2 if flag == POLLOUT else 1, deadline)  # libev's WRITE, READ
+        finally:
+            self.waiting = False
+
+    def _watcher(self, loop: Any, fd: int, events: int) -> Any:
+        try:
+            watchers = self._watchers
+        except AttributeError:
+            watchers = self._watchers = {}
+        watcher = watchers.get((fd, events))
+        if watcher is None:
+            watcher = watchers[fd, events] = loop.io(fd, events)
+        elif watcher.active:
+            # Another greenlet waits the same way on this connection (a WebSocket app's
+            # reader beside its writer): a watcher of its own, or one callback replaces the
+            # other and that greenlet never wakes.
+            return loop.io(fd, events)
+        return watcher
+
+    def _green_wait(self, events: int, deadline: float) -> None:
+        from gevent.hub import Waiter, get_hub
+
+        hub = get_hub()
+        loop = hub.loop
+        client = self._watcher(loop, self.fd, events)
+        while True:
+            now = time.monotonic()
+            # (As Connection._wait_loop: a stop's cutoff bounds only the wait for a head.)
+            cutoff = self.cutoff if self.phase is AWAITING else None
+            if cutoff is not None and now >= cutoff:
+                raise Abandoned()
+            remaining = min(deadline, cutoff or deadline) - now
+            if remaining <= 0:
+                raise Timeout()
+            interrupt_fd = self.interrupt_fd
+            interrupt = self._watcher(loop, interrupt_fd, 1) if interrupt_fd >= 0 else None
+            waiter = Waiter(hub)
+            timer = loop.timer(remaining + 0.001)
+            client.start(waiter.switch, _CLIENT)
+            if interrupt is not None:
+                interrupt.start(waiter.switch, _INTERRUPT)
+            timer.start(waiter.switch, _TIMER)
+            try:
+                which = waiter.get()
+            finally:
+                client.stop()
+                if interrupt is not None:
+                    interrupt.stop()
+                timer.close()
+            if which is _CLIENT:
+                return
+            if which is _INTERRUPT and self.interrupted is not None and self.interrupted(self):
+                raise Abandoned()
+
+
+_CLIENT, _INTERRUPT, _TIMER = object(), object(), object()  # (what woke a GreenConnection)
+
+
 class GeventWorker(Pipeline):
     multithread = False  # greenlets: wsgi.multithread stays False, as gunicorn's gevent worker
     # Waits on a client watch the stop pipe, written once when the worker stops: the wait
@@ -47,6 +118,7 @@ class GeventWorker(Pipeline):
     # request in the application is cancelled by its greenlet's kill (_g_cancel).
     stop_pipes = True
     kills_requests = True
+    connection_class = GreenConnection
 
     def _post_fork(self) -> None:
         from gevent import monkey

@@ -17,6 +17,7 @@ Must not import the arbiter (see base.py).
 
 from __future__ import annotations
 
+import _socket
 import enum
 import errno
 import os
@@ -59,6 +60,13 @@ CANCELLED = WorkerState.CANCELLED
 HALTING = WorkerState.HALTING
 
 
+# The standard library's socket class (a listener's, made by the arbiter before any gevent
+# patch): accept_from takes its clients without socket.accept's per-call Python. The client's
+# socket is of the class ``socket.socket`` names at the time, as in socket.accept: gevent's
+# in a gevent worker (an app that takes the connection over blocks cooperatively).
+PLAIN_SOCKET: type | None = socket.socket if issubclass(socket.socket, _socket.socket) else None
+
+
 class Ending(enum.Enum):
     """How ``serve_connection`` left a connection."""
 
@@ -85,6 +93,8 @@ class Pipeline(Worker):
     # on this worker class; None where it may.
     upgrade_refusal: str | None = None
 
+    connection_class = Connection  # (the gevent worker's waits are its loop's own)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # Set here, not in serve(): a signal handler may look at them while the app loads.
@@ -104,6 +114,7 @@ class Pipeline(Worker):
         self.accept_troubled = False  # accept() failed, and no line has said it works again
         self.accept_logged_at = -ACCEPT_LOG_INTERVAL
         self.upgrade_refused_logged = False
+        self.socket_kinds: dict[socket.socket, tuple[int, int, int]] = {}  # (accept_from)
         # --request-timeout (0: off; a class that cannot apply it turns it off): the requests
         # in the application, in the order they began, so in the order their time is up
         # (see time_request), and those a timeout was sent into that have not ended yet.
@@ -171,7 +182,7 @@ class Pipeline(Worker):
         if tls is not None:
             # The handshake waits for the first read, in the connection's own waits (bounded).
             sock = tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-        return Connection(sock, remote_of(addr), self.settings.limits,
+        return self.connection_class(sock, remote_of(addr), self.settings.limits,
                           self.settings.header_timeout, self.should_close, interrupt_fd,
                           self.interrupted, self.proxies.trusts_peer(addr),
                           self.settings.proxy_protocol, tls is not None, self.defers_writes)
@@ -222,8 +233,19 @@ class Pipeline(Worker):
             # Stopping, the caller empties the queue and then closes the listener, which
             # would reset whoever is still queued: wait out the pause (0.1 s) and try again.
             time.sleep(max(self.accept_resumes - time.monotonic(), 0.0))
+        sock = listener.sock
         try:
-            accepted = listener.sock.accept()
+            if type(sock) is PLAIN_SOCKET:
+                # socket.accept() without its per-call Python: the listener's family and type
+                # are looked up (two enum conversions) and its timeout asked each time.
+                # Listeners are non-blocking, so the new socket needs no setblocking(True).
+                kind = self.socket_kinds.get(sock)
+                if kind is None:
+                    kind = self.socket_kinds[sock] = (sock.family, sock.type, sock.proto)
+                fd, addr = sock._accept()  # type: ignore[attr-defined]
+                accepted = socket.socket(*kind, fileno=fd), addr  # (gevent's, where patched)
+            else:
+                accepted = sock.accept()  # (gevent's cooperative socket)
         except (BlockingIOError, InterruptedError):
             return None
         except OSError as exc:
@@ -375,7 +397,8 @@ class Pipeline(Worker):
         conn.close(linger)
         if not conn.released:  # finish_request() already counted it out
             self.counters.active_connections -= 1
-        self.report()
+        if self.state is not RUNNING:
+            self.report()  # (running, the heartbeats carry the numbers)
         return True
 
     def keep_serving(self, conn: Connection, listener: Listener) -> None:
@@ -443,10 +466,20 @@ class Pipeline(Worker):
                 return
 
     def end_lingering(self, now: float | None = None) -> None:
-        """Close the lingering connections past their time at ``now``, or all of them."""
-        for fd, (_, deadline, _) in list(self.lingering.items()):
-            if now is None or now >= deadline:
+        """Close the lingering connections past their time at ``now``, or all of them. The
+        dict is in deadline order (each is its insertion time + LINGER_TIME; linger_more
+        updates in place), so the scan stops at the first one not yet due: the loop calls
+        this on every turn, and a busy worker may have dozens lingering."""
+        lingering = self.lingering
+        if now is None:
+            for fd in list(lingering):
                 self._end_linger(fd)
+            return
+        while lingering:
+            fd, (_, deadline, _) = next(iter(lingering.items()))
+            if now < deadline:
+                return
+            self._end_linger(fd)
 
     def _end_linger(self, fd: int) -> None:
         conn = self.lingering.pop(fd)[0]
@@ -656,13 +689,15 @@ class Pipeline(Worker):
                     # untime_request could clear it: taken, the request ends as it was.
                     self.untime_request(context)
             self.in_request = False
-            context.run_shutdown_functions(self.log)
+            if context.functions:
+                context.run_shutdown_functions(self.log)
             if hooked is not None:
                 self._post_request(hooked, environ, exchange, status)
             CURRENT.reset(token)
             counters.in_flight_requests -= 1
             conn.end_request()
-            self.report()
+            if self.state is not RUNNING:
+                self.report()  # (running, the heartbeats carry the numbers)
         if conn.taken:
             # 101: what the app answered itself (the access log's bytes stay 0: what it sent
             # on the socket is its own, not counted by the server).

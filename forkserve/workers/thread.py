@@ -89,6 +89,9 @@ class ThreadWorker(Pipeline):
         for _ in range(threads):
             self._spawn()
         self.idle: dict[int, tuple[Connection, Listener, float]] = {}  # fd -> conn, deadline
+        # No idle deadline is before this (a lower bound: _expire_idle scans the idle
+        # connections only once it has passed, not on every turn of a busy loop).
+        self.idle_due = float("inf")
         self.poller = select.poll()
         self.listener_fds = {listener.fd: listener for listener in self.listeners}
         for fd in (self.wakeup_r, self.alive_fd, self.back_r):
@@ -148,11 +151,12 @@ class ThreadWorker(Pipeline):
             now = time.monotonic()
             timeout = self.heartbeat_interval
             if self.idle:
-                timeout = min(timeout, max(min(d for _, _, d in self.idle.values()) - now, 0))
+                timeout = min(timeout, max(self.idle_due - now, 0))
             if self.flushing:
                 timeout = min(timeout, max(min(f[3] for f in self.flushing.values()) - now, 0))
             if self.lingering:
-                timeout = min(timeout, max(min(g[1] for g in self.lingering.values()) - now, 0))
+                # (In deadline order: see end_lingering.)
+                timeout = min(timeout, max(next(iter(self.lingering.values()))[1] - now, 0))
             if pause:
                 timeout = min(timeout, pause)
             if self.request_timeout:
@@ -206,6 +210,8 @@ class ThreadWorker(Pipeline):
         """The main thread watches ``conn`` until its client's request is ready (then a thread
         serves it) or ``deadline`` passes (then it is closed, or refused if it began)."""
         self.idle[conn.fd] = (conn, listener, deadline)
+        if deadline < self.idle_due:
+            self.idle_due = deadline
         self.poller.register(conn.fd, POLLIN)
 
     def _gather(self, fd: int) -> None:
@@ -214,7 +220,10 @@ class ThreadWorker(Pipeline):
         conn, listener, deadline = self.idle[fd]
         ready = self.gather(conn)
         if ready is False:
-            self.idle[fd] = (conn, listener, self.gathered_until(conn, deadline))
+            deadline = self.gathered_until(conn, deadline)
+            self.idle[fd] = (conn, listener, deadline)
+            if deadline < self.idle_due:
+                self.idle_due = deadline
             return
         del self.idle[fd]
         self.poller.unregister(fd)
@@ -243,6 +252,7 @@ class ThreadWorker(Pipeline):
             self.idle_stopped = True
             for fd, (conn, listener, deadline) in list(self.idle.items()):
                 self.idle[fd] = (conn, listener, self.stop_deadline(conn, deadline))
+            self.idle_due = min([entry[2] for entry in self.idle.values()], default=float("inf"))
         if state is WorkerState.CANCELLED:
             self.end_writes()  # responses still going out are cut at the deadline
             self.end_lingering()
@@ -311,8 +321,13 @@ class ThreadWorker(Pipeline):
             self._after_response(*done)
 
     def _expire_idle(self, now: float) -> None:
+        if now < self.idle_due:
+            return
+        due = float("inf")
         for fd, (conn, listener, deadline) in list(self.idle.items()):
-            if now >= deadline:
+            if now < deadline:
+                due = min(due, deadline)
+            else:
                 del self.idle[fd]
                 self.poller.unregister(fd)
                 if conn.received:
@@ -325,6 +340,7 @@ class ThreadWorker(Pipeline):
                     self.work.put((conn, listener))
                 else:
                     self._release(conn)
+        self.idle_due = due
 
     def _release(self, conn: Connection, linger: bool = False) -> None:
         if self.release(conn, linger) and threading.get_ident() != self.main_ident:
