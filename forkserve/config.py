@@ -25,7 +25,6 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-import yaml
 
 from forkserve import gunicorn_flags
 from forkserve.machine import usable_cpus
@@ -191,6 +190,8 @@ def read_log_config(path: str) -> dict[str, Any]:
         return _ini_log_config(path, text)
     as_json = path.endswith(".json") or (not path.endswith((".yaml", ".yml"))
                                          and text.lstrip().startswith("{"))
+    import yaml  # (here, not at the top: a server that reads no YAML maps none of it)
+
     try:
         data = json.loads(text) if as_json else yaml.safe_load(text)
     except ValueError as exc:  # json.JSONDecodeError
@@ -905,6 +906,8 @@ def _apply(values: dict[str, Any], sources: dict[str, str], name: str, raw: Any,
 
 
 def read_yaml(path: str) -> dict[str, Any]:
+    import yaml  # (here, not at the top: a server that reads no YAML maps none of it)
+
     try:
         with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh)

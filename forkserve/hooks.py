@@ -15,7 +15,6 @@ import this; it imports none of them).
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import importlib.util
 import inspect
@@ -273,6 +272,8 @@ def _warn_about_the_rest(spec: str, module: ModuleType, log: Log) -> None:
         if key in HOOKS or key in GUNICORN_SETTINGS or not inspect.isfunction(value) \
                 or getattr(value, "__module__", None) != module.__name__:
             continue
+        import difflib  # (only for a misspelt name)
+
         close = difflib.get_close_matches(key, HOOKS, n=1, cutoff=0.8)
         if close or key.startswith(HOOK_PREFIXES):
             hint = f" (did you mean {close[0]}?)" if close else ""

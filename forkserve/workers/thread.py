@@ -175,7 +175,10 @@ class ThreadWorker(Pipeline):
                 elif fd in self.lingering:
                     self.linger_more(fd)
                 elif fd in self.listener_fds:
-                    self._accept_into_pool(self.listener_fds[fd])
+                    # At most a thread's worth a round: a worker that took a whole burst of
+                    # kept-alive clients (c=500) kept them, and its latency, while the other
+                    # idled; in rounds, the workers share it as they share the queue.
+                    self._accept_into_pool(self.listener_fds[fd], self.settings.threads)
             self._expire_idle(time.monotonic())
             if self.flushing:
                 self.end_writes(time.monotonic())
@@ -184,8 +187,9 @@ class ThreadWorker(Pipeline):
             if self.request_timeout:
                 self._cancel_overdue(time.monotonic())
 
-    def _accept_into_pool(self, listener: Listener) -> None:
-        while self.counters.active_connections < self.limit:
+    def _accept_into_pool(self, listener: Listener, at_most: int = 1 << 30) -> None:
+        while at_most > 0 and self.counters.active_connections < self.limit:
+            at_most -= 1
             accepted = self.accept_from(listener)
             if accepted is None:
                 return
