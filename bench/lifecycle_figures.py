@@ -31,7 +31,10 @@ Figures (``--lifecycle-figures``, all by default):
   cost in %, and the server tree's CPU per request (utime+stime of the arbiter and its workers
   from /proc over the run, divided by the requests wrk counted), which a shared machine
   disturbs less than req/s. Target: < 5 %. Plus ``bench/accounting.py``'s micro-benchmark
-  (the accounting's operations timed in a loop) as a share of the measured CPU per request.
+  (the accounting's operations timed in a loop) as a share of the measured CPU per request,
+  and, where valgrind and hey are installed, the instructions per request of one worker on
+  vs. off counted by callgrind (``--callgrind-requests``): a count that a busy machine does
+  not disturb, so the figure to trust when the wrk runs scatter.
 
 The machine is shared: each accounting run also notes the CPU that neither the server nor
 wrk used (``foreign``, from /proc/stat), so a disturbed run can be told from a slow server.
@@ -44,6 +47,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import statistics
 import subprocess
@@ -71,9 +75,9 @@ MODE_TEXT = {"mix": "keep-alive + close clients", "close": "close clients",
 # Full size, and --quick: explicit options override either.
 SIZES = {
     "full": {"hups": 100, "usr2s": 10, "stop_runs": 10, "accounting_seconds": 5,
-             "accounting_runs": 3},
+             "accounting_runs": 3, "callgrind_requests": 2000},
     "quick": {"hups": 10, "usr2s": 2, "stop_runs": 3, "accounting_seconds": 2,
-              "accounting_runs": 2},
+              "accounting_runs": 2, "callgrind_requests": 500},
 }
 # The issue's targets.
 FAILED_TARGET = 0
@@ -86,6 +90,7 @@ WRK_TIMEOUT = 30.0
 # again (at most RETRIES more times; the least disturbed try is kept).
 MAX_FOREIGN = 0.2
 RETRIES = 2
+CALLGRIND_START = 300.0  # seconds for a server under valgrind to start, or a run to finish
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 Row = dict[str, Any]
@@ -134,6 +139,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="wrk runs of each side, on and off (3; --quick 2)")
     group.add_argument("--accounting-connections", default="50,2", metavar="50,2",
                        help="wrk connection counts (default %(default)s)")
+    group.add_argument("--callgrind-requests", type=int,
+                       help="requests counted under callgrind, on and off (2000; --quick 500; "
+                            "0: skip that figure)")
     try:
         group.add_argument("--quick", action="store_true",
                            help="10 HUPs, 2 USR2s, 3 stop runs, 2 runs of 2 s (explicit options win)")
@@ -210,11 +218,14 @@ def stop_rows(worker_class: str, runs: int) -> list[Row]:
 # -- the accounting, on vs. off -----------------------------------------------------------------
 
 class Unaccounted(Server):
-    """forkserve through bench/unaccounted.py (the accounting taken out), watched the same way."""
+    """forkserve through bench/unaccounted.py (the accounting taken out), watched the same way;
+    ``prefix``: a command to run it under (valgrind)."""
 
-    def __init__(self, *args: str, workers: int = WORKERS) -> None:
-        argv = [sys.executable, str(ROOT / "bench" / "unaccounted.py"), "-b", "127.0.0.1:0",
-                "-w", str(workers), "--log-format", "json", *args, APP]
+    def __init__(self, *args: str, workers: int = WORKERS, accounted: bool = False,
+                 prefix: tuple[str, ...] = ()) -> None:
+        entry = ["-m", "forkserve"] if accounted else [str(ROOT / "bench" / "unaccounted.py")]
+        argv = [*prefix, sys.executable, *entry, "-b", "127.0.0.1:0", "-w", str(workers),
+                "--log-format", "json", *args, APP]
         self._launch(argv, dict(os.environ), None, ROOT, ())
 
 
@@ -340,7 +351,9 @@ def accounting_figures(name: str, connections: int, results: dict[str, list[WrkR
         values = [r.p99_ms for r in results[side] if r.p99_ms is not None]
         return f"{statistics.median(values):.2f} ms" if values else "?"
 
+    busiest = max(r.busiest for runs in results.values() for r in runs)
     common = (f"{len(results['on'])} runs each, alternating; errors {errors}; "
+              f"busiest worker's share of the workers' CPU at most {busiest * 100:.0f} %; "
               f"most foreign CPU in a run {foreign * 100:.0f} %"
               + (f" ({retried} runs retried for foreign CPU over {MAX_FOREIGN * 100:.0f} %)"
                  if retried else ""))
@@ -375,6 +388,58 @@ def accounting_figures(name: str, connections: int, results: dict[str, list[WrkR
     return rows
 
 
+def callgrind_rows(worker_class: str, requests: int, tmp: Path) -> list[Row]:
+    """Instructions per request, on vs. off, counted by callgrind: one worker each, under
+    valgrind, zeroed after a warm-up, dumped after ``requests`` keep-alive requests (hey -c 2).
+    A count, not a time: what other processes do to the machine does not change it."""
+    name = fs_name(worker_class)
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None \
+            or shutil.which("hey") is None:
+        return [row("in-flight accounting cost, instructions per request (callgrind)", name, 0.0,
+                    "%", f"< {ACCOUNTING_TARGET:g} %", False, "needs valgrind and hey: not run")]
+    progress(f"{name}: accounting on vs. off under callgrind, {requests} requests each")
+    args = ["-k", worker_class] + (["--threads", str(THREADS)] if worker_class == "thread" else [])
+    servers: dict[str, Server] = {}
+    counts: dict[str, float] = {}
+    try:
+        for side in ("on", "off"):
+            prefix = ("valgrind", "--tool=callgrind", "--trace-children=yes",
+                      f"--callgrind-out-file={tmp}/{worker_class}-{side}-%p.out")
+            servers[side] = Unaccounted(*args, workers=1, accounted=side == "on", prefix=prefix)
+        for side, server in servers.items():
+            server.wait_ready(CALLGRIND_START)
+        for side, server in servers.items():
+            url = f"http://127.0.0.1:{server.port}/"
+            hey = ["hey", "-c", "2", url]
+            subprocess.run(hey[:1] + ["-n", str(max(requests // 5, 50))] + hey[1:],
+                           capture_output=True, check=True, timeout=CALLGRIND_START)  # warm-up
+            worker = children(server.pid)[0]
+            subprocess.run(["callgrind_control", "-z", str(worker)], capture_output=True,
+                           check=True, timeout=60)
+            out = subprocess.run(hey[:1] + ["-n", str(requests)] + hey[1:], capture_output=True,
+                                 text=True, check=True, timeout=CALLGRIND_START).stdout
+            subprocess.run(["callgrind_control", "-d", str(worker)], capture_output=True,
+                           check=True, timeout=60)
+            served = re.search(r"\[200\]\s+(\d+) responses", out)
+            if served is None or int(served.group(1)) != requests:
+                raise RuntimeError(f"hey: not {requests} 200s:\n{out[-1500:]}")
+            dumps = sorted(tmp.glob(f"{worker_class}-{side}-{worker}.out.*"))
+            text = dumps[-1].read_text(errors="replace") if dumps else ""
+            summary = re.search(r"^summary:\s+(\d+)", text, re.M)
+            if summary is None:
+                raise RuntimeError(f"no callgrind dump of worker {worker}")
+            counts[side] = int(summary.group(1)) / requests
+    finally:
+        for server in servers.values():
+            server.close()
+    cost = (counts["on"] - counts["off"]) / counts["off"] * 100
+    return [row("in-flight accounting cost, instructions per request (callgrind)", name,
+                round(cost, 1), "%", f"< {ACCOUNTING_TARGET:g} %", cost < ACCOUNTING_TARGET,
+                f"1 worker, {requests} keep-alive requests (hey -c 2): on {counts['on']:,.0f}, "
+                f"off {counts['off']:,.0f} instructions per request (the worker's, valgrind's "
+                f"count: no machine noise; run to run within ~1k)")]
+
+
 def micro_seconds(quick: bool) -> float:
     from bench.accounting import accounting_seconds
 
@@ -407,6 +472,8 @@ def run(args: argparse.Namespace) -> list[Row]:
                 rows += accounting_rows(worker_class, connection_counts, size(args, "accounting_runs"),
                                         size(args, "accounting_seconds"),
                                         micro if worker_class == "sync" else None)
+                if size(args, "callgrind_requests"):
+                    rows += callgrind_rows(worker_class, size(args, "callgrind_requests"), Path(tmp))
     return rows
 
 
