@@ -34,7 +34,8 @@ Figures (``--lifecycle-figures``, all by default):
   (the accounting's operations timed in a loop) as a share of the measured CPU per request,
   and, where valgrind and hey are installed, the instructions per request of one worker on
   vs. off counted by callgrind (``--callgrind-requests``): a count that a busy machine does
-  not disturb, so the figure to trust when the wrk runs scatter.
+  not disturb (it still moves by about 2 points between runs, with the reconnects and poll
+  wake-ups a run happens to have), so the figure to trust when the wrk runs scatter.
 
 The machine is shared: each accounting run also notes the CPU that neither the server nor
 wrk used (``foreign``, from /proc/stat), so a disturbed run can be told from a slow server.
@@ -391,7 +392,8 @@ def accounting_figures(name: str, connections: int, results: dict[str, list[WrkR
 def callgrind_rows(worker_class: str, requests: int, tmp: Path) -> list[Row]:
     """Instructions per request, on vs. off, counted by callgrind: one worker each, under
     valgrind, zeroed after a warm-up, dumped after ``requests`` keep-alive requests (hey -c 2).
-    A count, not a time: what other processes do to the machine does not change it."""
+    A count, not a time: what other processes do to the machine does not change it (what the
+    worker does between requests still does: the cost moved by about 2 points between runs)."""
     name = fs_name(worker_class)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None \
             or shutil.which("hey") is None:
@@ -436,8 +438,9 @@ def callgrind_rows(worker_class: str, requests: int, tmp: Path) -> list[Row]:
     return [row("in-flight accounting cost, instructions per request (callgrind)", name,
                 round(cost, 1), "%", f"< {ACCOUNTING_TARGET:g} %", cost < ACCOUNTING_TARGET,
                 f"1 worker, {requests} keep-alive requests (hey -c 2): on {counts['on']:,.0f}, "
-                f"off {counts['off']:,.0f} instructions per request (the worker's, valgrind's "
-                f"count: no machine noise; run to run within ~1k)")]
+                f"off {counts['off']:,.0f} instructions per request (the worker's; a count, so no "
+                f"machine noise, but it moves with what the worker does between requests, "
+                f"reconnects and poll wake-ups: about ±2 points from run to run)")]
 
 
 def micro_seconds(quick: bool) -> float:
