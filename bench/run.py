@@ -12,9 +12,16 @@ Servers (each on 127.0.0.1, a port picked by binding port 0; 2 workers where it 
 ``fs-sync``, ``fs-thread`` (4 threads), ``fs-gevent``: ``python -m forkserve -w 2 --log-level
 warning -k …``; ``gu-sync``, ``gu-gthread`` (4 threads), ``gu-gevent``: gunicorn the same;
 ``granian`` (``--interface wsgi --workers 2 --no-log``); ``bjoern`` (one process: it has no
-workers); ``uwsgi`` (pyuwsgi's binary: ``--http11-socket`` (``--http-socket`` resets a reused
-connection), ``--master --processes 2 --disable-logging``); ``waitress`` (``--threads 4``, one
-process). A peer is run only where it is installed (``pip install forkserve[bench]``).
+workers); ``uwsgi`` (pyuwsgi's binary, ``--master --processes 2 --disable-logging
+--http11-socket``: ``--http-socket`` answers HTTP/1.1 and then resets a reused connection);
+``waitress`` (``--threads 4``, one process). A peer is run only where it is installed (``pip
+install forkserve[bench]``); gunicorn is always expected.
+
+What each server does with a client's ``Connection: close`` is checked at its start: one that
+keeps the connection (uWSGI's ``--http11-socket``) gets the note "ignores Connection: close" on
+its close rows, where wrk then reuses the connection (the Python client closes it itself). The
+Python client also counts connections that got no response at all in a run (uWSGI serves two
+keep-alive clients to exhaustion while the other 48 wait): a cell with any is flagged ``!``.
 
 Workloads (bench/apps_bench.py; every server gets the same callable): ``hello`` (examples/hello.py,
 14 bytes), ``big`` (64 KiB), ``file`` (1 MiB through ``wsgi.file_wrapper``), ``json`` (a 1 KiB JSON
@@ -24,8 +31,11 @@ POST echoed), ``sleep`` (10 ms ``time.sleep``; cooperative under gevent), ``flas
 
 Order: for each repetition, for each workload, every selected server is started (and answers a
 request, and takes 1 s of warm-up load); then for each (mode, conns) cell every server is run in
-turn, so machine drift hits every server alike; then they are all stopped. Idle servers wait
-meanwhile; their idle CPU is measured and printed (it should be ~0).
+turn, so machine drift hits every server alike; then they are all stopped. Keeping a server up
+across its workload's cells saves a start per cell; a server per workload keeps the hello
+figures (RSS above all) free of Flask. The idle servers wait meanwhile: their CPU over 2 s of
+no load is measured and printed when over 2 % of a core (each uses ≤ 2 % here). TERM, HUP and
+Ctrl-C stop every server started.
 
 Noise: /proc/stat's busy time over a run, minus the server's process tree and the load
 generator (our rusage), is CPU someone else used. Over ``--noise`` (10 % of one core) the run
@@ -325,6 +335,7 @@ def start_server(name: str, workload_name: str, env: dict[str, str], logdir: Pat
     deadline = time.monotonic() + START_TIMEOUT
     while True:
         if proc.poll() is not None:
+            stop_server(running)  # what is left of its process group
             raise RuntimeError(f"{name} exited ({proc.returncode}):\n{running.log_tail()}")
         try:
             status, headers, _ = one_request(port, workload)
