@@ -797,8 +797,8 @@ def machine() -> dict[str, Any]:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = "not installed"
-    wrk = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.split("\n")[0] \
-        if shutil.which("wrk") else "not installed"
+    wrk = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout \
+        .split("\n")[0].split(" Copyright")[0] if shutil.which("wrk") else "wrk not installed"
     return {"cpu": model, "cores": os.cpu_count(), "kernel": platform.release(),
             "python": platform.python_version(), "versions": versions, "wrk": wrk,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
