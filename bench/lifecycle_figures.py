@@ -425,11 +425,18 @@ def callgrind_rows(worker_class: str, requests: int, tmp: Path) -> list[Row]:
             served = re.search(r"\[200\]\s+(\d+) responses", out)
             if served is None or int(served.group(1)) != requests:
                 raise RuntimeError(f"hey: not {requests} 200s:\n{out[-1500:]}")
-            dumps = sorted(tmp.glob(f"{worker_class}-{side}-{worker}.out.*"))
-            text = dumps[-1].read_text(errors="replace") if dumps else ""
-            summary = re.search(r"^summary:\s+(\d+)", text, re.M)
-            if summary is None:
-                raise RuntimeError(f"no callgrind dump of worker {worker}")
+            # callgrind_control -d asks for the dump; the worker writes it when valgrind next
+            # schedules it (seconds later on a loaded machine): wait for it, bounded.
+            deadline = time.monotonic() + 60
+            while True:
+                dumps = sorted(tmp.glob(f"{worker_class}-{side}-{worker}.out.*"))
+                text = dumps[-1].read_text(errors="replace") if dumps else ""
+                summary = re.search(r"^summary:\s+(\d+)", text, re.M)
+                if summary is not None:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no callgrind dump of worker {worker} within 60 s")
+                time.sleep(0.1)
             counts[side] = int(summary.group(1)) / requests
     finally:
         for server in servers.values():
