@@ -78,6 +78,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.apps_bench import json_body  # noqa: E402
+from tests.harness import children  # noqa: E402  (no pytest in it: bench/drain_latency.py's too)
 
 BIN = Path(sys.executable).parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -194,15 +195,6 @@ def stat_fields(pid: int) -> list[str] | None:
         return None
 
 
-def children(pid: int) -> list[int]:
-    result: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as fh:
-                result.extend(int(p) for p in fh.read().split())
-    except OSError:
-        return result
-    return result
 
 
 def tree(pid: int) -> list[int]:

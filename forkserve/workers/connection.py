@@ -232,18 +232,23 @@ class Connection:
         finally:
             self.waiting = False
 
+    def wait_left(self, deadline: float) -> float:
+        """Seconds a wait may still last; Abandoned past a stop's cutoff, Timeout past
+        ``deadline``. A stop's cutoff bounds only the wait for a request's first byte: a
+        request that arrived within the grace is served to its end (its body, a slow
+        reader)."""
+        now = time.monotonic()
+        cutoff = self.cutoff if self.phase is AWAITING else None
+        if cutoff is not None and now >= cutoff:
+            raise Abandoned()
+        remaining = min(deadline, cutoff or deadline) - now
+        if remaining <= 0:
+            raise Timeout()
+        return remaining
+
     def _wait_loop(self, poller: select.poll, deadline: float) -> None:
         while True:
-            now = time.monotonic()
-            # A stop's cutoff bounds only the wait for a request's first byte: a request that
-            # arrived within the grace is served to its end (its body, a slow reader).
-            cutoff = self.cutoff if self.phase is AWAITING else None
-            if cutoff is not None and now >= cutoff:
-                raise Abandoned()
-            remaining = min(deadline, cutoff or deadline) - now
-            if remaining <= 0:
-                raise Timeout()
-            ready = poller.poll(remaining * 1000.0 + 1)
+            ready = poller.poll(self.wait_left(deadline) * 1000.0 + 1)
             for fd, _ in ready:
                 if fd == self.fd:
                     return

@@ -31,7 +31,7 @@ from typing import Any
 from forkserve.context import RequestCancelled, RequestContext, RequestTimedOut
 from forkserve.sockets import Listener
 from forkserve.workers.base import HardStop, WorkerEvent, WorkerState, drain_pipe
-from forkserve.workers.connection import AWAITING, Abandoned, Connection, Timeout
+from forkserve.workers.connection import Abandoned, Connection
 from forkserve.workers.pipeline import Pipeline, stop_grace_end
 
 RUNNING = WorkerState.RUNNING
@@ -49,6 +49,7 @@ class GreenConnection(Connection):
     Connection._wait_loop: the cutoff, Timeout, Abandoned, ``interrupted``."""
 
     __slots__ = ("_watchers",)
+    _watchers: dict[tuple[int, int], Any]  # (fd, events) -> io watcher, made at first use
 
     def _wait(self, flag: int, deadline: float) -> None:
         self.waiting = True
@@ -79,14 +80,7 @@ class GreenConnection(Connection):
         loop = hub.loop
         client = self._watcher(loop, self.fd, events)
         while True:
-            now = time.monotonic()
-            # (As Connection._wait_loop: a stop's cutoff bounds only the wait for a head.)
-            cutoff = self.cutoff if self.phase is AWAITING else None
-            if cutoff is not None and now >= cutoff:
-                raise Abandoned()
-            remaining = min(deadline, cutoff or deadline) - now
-            if remaining <= 0:
-                raise Timeout()
+            remaining = self.wait_left(deadline)
             interrupt_fd = self.interrupt_fd
             interrupt = self._watcher(loop, interrupt_fd, 1) if interrupt_fd >= 0 else None
             waiter = Waiter(hub)
