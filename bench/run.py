@@ -943,6 +943,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(text_table(life_rows))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(
             {"machine": info, "client": args.client, "duration": args.duration,
              "repetitions": args.runs, "cells": cells, "ratios": ratios, "idle_cpu": idle,
@@ -962,6 +963,7 @@ def main(argv: list[str] | None = None) -> int:
                                       for n, s in busy_idle.items()]))
         if life_rows:
             parts.append(markdown_table(life_rows))
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text("\n\n".join(parts) + "\n")
     return 0
 
