@@ -62,6 +62,7 @@ class NoContext:
     finished = False
     cancelled = False
     timed_out = False
+    functions: tuple[()] = ()  # no shutdown functions (serve_request looks before running them)
 
     def finish(self) -> None:
         """forkserve.finish_request(): nothing to end early (the hello-world app never calls it)."""

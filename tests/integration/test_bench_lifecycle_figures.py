@@ -2,10 +2,10 @@
 
 The figures run as the bench runs them, in a subprocess (its servers are process groups of
 their own; a TERM makes it stop them all): the sync class only, 2 HUPs, 1 USR2, one stop of
-each kind, one wrk run of 1 s on each side of the accounting. The values are checked for being
-there and sane, not for the issue's targets (a loaded machine misses a 20 ms bound without
-the server being at fault), except that forkserve must lose no request. (Under callgrind, 200
-requests each side.)
+each kind, one wrk run of 1 s on each side of the accounting (callgrind's count is left out:
+it takes minutes under valgrind). The values are checked for being there and sane, not for
+the issue's targets (a loaded machine misses a 20 ms bound without the server being at
+fault), except that forkserve must lose no request.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_smallest_run_has_every_figure(tmp_path: Path) -> None:
     code, rows, output = run_figures(
         tmp_path, "--quick", "--lifecycle-classes", "sync", "--hups", "2", "--usr2s", "1",
         "--stop-runs", "1", "--accounting-seconds", "1", "--accounting-runs", "1",
-        "--accounting-connections", "50", "--callgrind-requests", "200", "--no-lifecycle-gunicorn")
+        "--accounting-connections", "50", "--callgrind-requests", "0", "--no-lifecycle-gunicorn")
     assert code in (0, 1), output[-3000:]  # 1: a target missed (the machine may be loaded)
     for row in rows:
         assert set(row) == KEYS, row
@@ -68,7 +68,6 @@ def test_smallest_run_has_every_figure(tmp_path: Path) -> None:
         "in-flight accounting cost, CPU per request (wrk -t2 -c50 keep-alive)",
         "in-flight accounting cost, best CPU per request (wrk -t2 -c50 keep-alive)",
         "in-flight accounting, micro-benchmark share (wrk -t2 -c50 keep-alive)",
-        "in-flight accounting cost, instructions per request (callgrind)",
     }, output[-3000:]
     for event in ("2 HUPs", "1 USR2s"):
         row = by_figure[f"failed requests over {event} under load (keep-alive + close clients)"]
@@ -81,9 +80,6 @@ def test_smallest_run_has_every_figure(tmp_path: Path) -> None:
         row = by_figure[f"in-flight accounting cost, {figure} (wrk -t2 -c50 keep-alive)"]
         assert row["unit"] == "%" and -100 < row["value"] < 100, row
         assert "errors 0" in row["detail"], row
-    row = by_figure["in-flight accounting cost, instructions per request (callgrind)"]
-    if "not run" not in row["detail"]:  # (valgrind and hey installed)
-        assert row["unit"] == "%" and -20 < row["value"] < 50, row
     assert "fs-sync" in output and "figure" in output  # the table was printed
 
 
