@@ -213,10 +213,14 @@ class ThreadWorker(Pipeline):
     def _wait_for_client(self, conn: Connection, listener: Listener, deadline: float) -> None:
         """The main thread watches ``conn`` until its client's request is ready (then a thread
         serves it) or ``deadline`` passes (then it is closed, or refused if it began)."""
+        self._idle_until(conn, listener, deadline)
+        self.poller.register(conn.fd, POLLIN)
+
+    def _idle_until(self, conn: Connection, listener: Listener, deadline: float) -> None:
+        """Watched until ``deadline`` (new, or a later bound for a head partly here)."""
         self.idle[conn.fd] = (conn, listener, deadline)
         if deadline < self.idle_due:
             self.idle_due = deadline
-        self.poller.register(conn.fd, POLLIN)
 
     def _gather(self, fd: int) -> None:
         """The client of a watched connection sent something: read it, and hand the
@@ -224,10 +228,7 @@ class ThreadWorker(Pipeline):
         conn, listener, deadline = self.idle[fd]
         ready = self.gather(conn)
         if ready is False:
-            deadline = self.gathered_until(conn, deadline)
-            self.idle[fd] = (conn, listener, deadline)
-            if deadline < self.idle_due:
-                self.idle_due = deadline
+            self._idle_until(conn, listener, self.gathered_until(conn, deadline))
             return
         del self.idle[fd]
         self.poller.unregister(fd)
