@@ -11,7 +11,6 @@ Imports only the standard library and yaml (never the arbiter, workers or http).
 from __future__ import annotations
 
 import argparse
-import configparser
 import grp
 import importlib.util
 import ipaddress
@@ -208,6 +207,8 @@ def read_log_config(path: str) -> dict[str, Any]:
 def _ini_log_config(path: str, text: str) -> dict[str, Any]:
     """gunicorn's --log-config file: logging.config.fileConfig's INI. Kept as the path (the
     logging set-up applies it with fileConfig) and the loggers it names (by qualname)."""
+    import configparser  # (only for an INI --log-config)
+
     parser = configparser.ConfigParser(interpolation=None)
     try:
         parser.read_string(text, path)

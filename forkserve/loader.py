@@ -15,7 +15,6 @@ import importlib
 import inspect
 import os
 import sys
-import sysconfig
 import traceback
 from collections import deque
 from contextlib import contextmanager
@@ -54,6 +53,8 @@ def _shown_path(path: str) -> str:
 
 
 def _installed_dirs() -> tuple[str, ...]:
+    import sysconfig  # only to word an import error
+
     paths = sysconfig.get_paths()
     return tuple(os.path.realpath(paths[name]) + os.sep for name in _INSTALLED if name in paths)
 

@@ -26,8 +26,6 @@ import copy
 import errno
 import json
 import logging
-import logging.config
-import logging.handlers
 import os
 import socket
 import sys
@@ -254,11 +252,14 @@ class Log:
         error = named_logger(ERROR_LOGGER)
         access = named_logger(ACCESS_LOGGER)
         if setup.log_config is not None:
+            # Only with --log-config: 2 MiB of modules (socketserver, pickle…) otherwise.
+            import logging.config as logging_config
+
             ini = setup.log_config.get("ini_file")
             if ini is not None:  # gunicorn's INI --log-config
-                logging.config.fileConfig(ini, disable_existing_loggers=False)
+                logging_config.fileConfig(ini, disable_existing_loggers=False)
             else:
-                logging.config.dictConfig(copy.deepcopy(setup.log_config))
+                logging_config.dictConfig(copy.deepcopy(setup.log_config))
         mine = set(OURS) - setup.configured()
         if setup.syslog_to is not None:
             self.syslog = [syslog_handler(setup)]
@@ -424,8 +425,10 @@ def syslog_handler(setup: Setup) -> logging.Handler:
     address, socktype = syslog_address(setup.syslog_to or DEFAULT_SYSLOG)
     if isinstance(address, str):
         _probe_unix(address)  # SysLogHandler ignores a socket that is not there
-    facility = logging.handlers.SysLogHandler.facility_names[setup.syslog_facility]
-    handler = logging.handlers.SysLogHandler(address, facility, socktype)
+    import logging.handlers as logging_handlers  # only with --log-syslog
+
+    facility = logging_handlers.SysLogHandler.facility_names[setup.syslog_facility]
+    handler = logging_handlers.SysLogHandler(address, facility, socktype)
     handler.setFormatter(SyslogFormatter(setup.syslog_prefix))
     return handler
 

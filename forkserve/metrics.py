@@ -26,9 +26,7 @@ import fcntl
 import glob
 import os
 import re
-import shutil
 import struct
-import tempfile
 import threading
 from typing import Any
 
@@ -95,6 +93,8 @@ def prepare_directory(handover: Handover | None, environ: Any = os.environ
                 os.remove(os.path.join(path, name))
             removed = len(stale)
     else:
+        import tempfile  # (tempfile and shutil: only with metrics on)
+
         sweep_orphans()
         path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
         owned = True
@@ -143,6 +143,9 @@ def sweep_orphans() -> None:
     """Remove the private directories of arbiters that died without cleaning up (SIGKILL):
     those whose lock file nobody holds any more (a lock, unlike a pid, means the same in every
     pid namespace sharing the temp directory)."""
+    import shutil
+    import tempfile
+
     for path in glob.glob(os.path.join(tempfile.gettempdir(), PREFIX + "*")):
         if not os.path.exists(os.path.join(path, LOCK_FILE)):
             continue  # no lock file (yet): not ours to judge
@@ -213,6 +216,8 @@ class Store:
         return path
 
     def drop_scratch(self) -> None:
+        import shutil
+
         shutil.rmtree(os.path.join(self.path, SCRATCH), ignore_errors=True)
 
     def collect(self) -> Any:
@@ -240,6 +245,8 @@ class Store:
         for mmapped in (self.counters, *self.archives.values()):
             mmapped.close()
         if self.owned:
+            import shutil
+
             shutil.rmtree(self.path, ignore_errors=True)
         os.close(self.lock)
 

@@ -63,7 +63,10 @@ def _tcp(host: str, port: int, backlog: int, reuse_port: bool = False) -> socket
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        # An ASCII name as bytes: a str goes through the idna codec (encodings.idna,
+        # stringprep and unicodedata: 250 KiB in every process) even for "127.0.0.1".
+        name: str | bytes = host.encode("ascii") if host.isascii() else host
+        infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise BindError(f"cannot resolve {host!r}: {exc.strerror}") from None
     family, kind, proto, _, sockaddr = infos[0]

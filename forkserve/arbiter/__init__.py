@@ -98,6 +98,7 @@ class Arbiter(WorkerTable, Drain, Generations, Upgrade, Handoff, Observe, Comman
             self.alive_r, self.alive_w = os.pipe2(os.O_CLOEXEC)
         self.decoder = Decoder()
         self.worker_cls = worker_class(self.config.worker_class)
+        self.worker_cls.share_imports()
         self.settings = WorkerSettings.of(self.config, self.metrics_dir(), self.tls)
         self.dispatch: dict[int, Callable[[], None]] = {
             signal.SIGTERM: self.stop,

@@ -101,6 +101,7 @@ class Generations(Part):
         self.reload_tls(new)
         self.settings = WorkerSettings.of(new, self.metrics_dir(), self.tls)
         self.worker_cls = worker_class(new.worker_class)
+        self.worker_cls.share_imports()
         self.notify("reloading")
         self.step(Step.RELOAD)
         self.hooks.call("on_reload", self.log, self.server_info)
@@ -113,7 +114,7 @@ class Generations(Part):
         """HUP re-reads the certificate and key (rotation without a restart); one that does
         not load keeps the context the workers have, with an error line."""
         if not new.certfile:
-            self.tls = None  # (and ssl stays unimported: gevent must patch it first)
+            self.tls = None  # (and no ssl context: one is built only for TLS)
             return
         from forkserve.tls import TLSError, build_context
 

@@ -41,7 +41,7 @@ from forkserve.telemetry.accesslog import RequestIds
 from forkserve.telemetry.spans import OpenTelemetrySink, Sinks
 
 if TYPE_CHECKING:
-    import ssl  # only with TLS on: gevent must patch ssl before anything imports it
+    import ssl  # only with TLS on: nothing may hold a name from ssl before gevent patches it
 
     from forkserve.tls import TLSMaterial
 
@@ -151,6 +151,13 @@ class Worker:
     """The child's runtime. ``WorkerHandle`` in the arbiter is the parent's view of it."""
 
     multithread = False  # True when request threads share this worker's state
+
+    @classmethod
+    def share_imports(cls) -> None:
+        """Run by the arbiter before its first fork: import what every worker of this class
+        would import after the fork, so that the workers share those pages (copy-on-write)
+        instead of each building its own. Nothing may run here that a fork cannot inherit (a
+        thread, a hub, a monkey-patch)."""
 
     def __init__(self, worker_id: int, generation: int, settings: WorkerSettings,
                  listeners: list[Listener], counter_fd: int, alive_fd: int, log: Log,

@@ -118,8 +118,8 @@ class Connection:
         # (None once it is known whether they are).
         self._proxy: bytes | None = b"" if proxy_protocol else None
         # TLS (the socket is an ssl.SSLSocket, its handshake not done yet): what "would block"
-        # and "broken" mean then. Looked up here, not imported by this module: with TLS off
-        # nothing may import ssl before gevent patches it.
+        # and "broken" mean then. Looked up here, not imported by this module: nothing may hold
+        # a name from ssl before gevent patches it (and a sync worker need not load it).
         self._ssl: Any = None
         self._handshaking = False
         self._blocked_read: tuple[type[BaseException], ...] = (BlockingIOError,)

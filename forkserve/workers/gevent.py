@@ -4,8 +4,10 @@
 Owns: monkey-patching (first thing after fork, before the application is imported: an app
 that imported ``ssl`` or ``threading`` unpatched is gunicorn's classic gevent bug), the
 acceptor greenlets, and the signal handling of a process whose main thread is gevent's hub.
-This is the only module that imports gevent, and it does so inside the worker process only
-(the arbiter loads this module by name but never runs these functions).
+This is the only module that imports gevent. The arbiter imports gevent's modules before its
+first fork (``share_imports``: gunicorn's arbiter does too), so that the workers share them:
+importing gevent in each worker cost 4 MiB of RSS more per worker. Nothing of gevent runs in
+the arbiter: no hub, no patch (that is the first thing a worker does after the fork).
 
 Differences from the sync worker, all following from many connections per process:
 - keep-alive is never given up for fairness (nobody waits behind an idle connection); it ends
@@ -18,6 +20,7 @@ Differences from the sync worker, all following from many connections per proces
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import socket
@@ -35,6 +38,19 @@ from forkserve.workers.connection import Abandoned, Connection
 from forkserve.workers.pipeline import Pipeline, stop_grace_end
 
 RUNNING = WorkerState.RUNNING
+
+# What patch_all and this worker import, less the application, imported by the arbiter before
+# it forks (share_imports). Each defines classes and loads libev, greenlet or OpenSSL (whose
+# one-off initialisation alone touched 2.5 MiB of libcrypto in each worker); none patches
+# anything or starts a hub, a thread or a watcher. importlib.metadata is for the plugins
+# patch_all looks for. The ssl module before the patch draws no warning: gevent warns only
+# when another module holds a name from it, and nothing here does.
+SHARED_MODULES = (
+    "importlib.metadata", "ssl", "gevent", "gevent.event", "gevent.events", "gevent.hub",
+    "gevent.local", "gevent.monkey", "gevent.pool", "gevent.select", "gevent.selectors",
+    "gevent.signal", "gevent.socket", "gevent.ssl", "gevent.subprocess", "gevent.thread",
+    "gevent.threading", "gevent.time",
+)
 
 
 class _Wake(Exception):
@@ -113,6 +129,11 @@ class GeventWorker(Pipeline):
     stop_pipes = True
     kills_requests = True
     connection_class = GreenConnection
+
+    @classmethod
+    def share_imports(cls) -> None:
+        for name in SHARED_MODULES:
+            importlib.import_module(name)
 
     def _post_fork(self) -> None:
         from gevent import monkey

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import datetime
 import re
-from email.utils import parsedate_to_datetime
+from email.utils import formatdate, parsedate_to_datetime
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from forkserve.http import END, Limits, RequestParser, response
 from forkserve.http.response import (CONTINUE, LAST_CHUNK, DateCache, check_header, chunk,
@@ -180,17 +182,24 @@ def test_date_format(monkeypatch: pytest.MonkeyPatch, now: float, text: bytes) -
     assert DateCache().get() == text
 
 
+@settings(max_examples=500, deadline=None)
+@given(st.floats(min_value=0, max_value=253402300799, allow_nan=False))
+def test_http_date_is_what_email_utils_writes(seconds: float) -> None:
+    # The stdlib's formatter is the reference; ours exists only not to import email.
+    assert response.http_date(seconds) == formatdate(int(seconds), usegmt=True).encode("ascii")
+
+
 def test_date_is_formatted_once_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FixedClock(784111777.0)
     formatted: list[float] = []
-    real = response.formatdate
+    real = response.http_date
 
-    def counting_formatdate(timeval: float, usegmt: bool = False) -> str:
-        formatted.append(timeval)
-        return real(timeval, usegmt=usegmt)
+    def counting_http_date(seconds: float) -> bytes:
+        formatted.append(seconds)
+        return real(seconds)
 
     monkeypatch.setattr(response, "time", clock)
-    monkeypatch.setattr(response, "formatdate", counting_formatdate)
+    monkeypatch.setattr(response, "http_date", counting_http_date)
     dates = DateCache()
     first = dates.get()
     clock.now = 784111777.999
