@@ -17,7 +17,7 @@ from urllib.parse import unquote_to_bytes
 
 from forkserve.http import HTTPError, Request
 from forkserve.http.response import (CONNECTION_CLOSE, CONNECTION_KEEP_ALIVE, HOP_BY_HOP, SERVER,
-                                     DateCache, check_header, parse_status, response_head)
+                                     DateCache, check_header, parse_status, status_and_headers)
 from forkserve.http.writers import BodyWriter, ContentLengthWriter, body_writer
 
 SERVER_FIELD = b"\r\nServer: " + SERVER + b"\r\n"  # follows the Date value in every head
@@ -284,6 +284,62 @@ class HeaderKeys(dict):  # type: ignore[type-arg]
         return key
 
 
+# What start_response found of one status and headers list: the status code, the headers
+# kept (the hop-by-hop ones are the server's), the app's Content-Length, the head's start
+# (status_and_headers), whether the body is an event stream, and whether the app said close.
+Checked = tuple[int, tuple[tuple[str, str], ...], "int | None", bytes, bool, bool]
+
+
+class CheckedHeads(dict):  # type: ignore[type-arg]
+    """Per-worker: the status and headers lists start_response has checked, by value
+    (``(status, *headers)``), and what it found (:data:`Checked`). Checking one (two regular
+    expressions a header, the status's two, the head's encoding) cost more than the rest of
+    start_response; an app sends the same few lists again and again. Bounded like
+    :class:`HeaderKeys`: an app whose headers differ every time (an ETag, a cookie) only
+    refills it."""
+
+    LIMIT = 256
+
+    def check(self, status: str, headers: list[tuple[str, str]]) -> Checked:
+        """PEP 3333's rules for a status and headers (ValueError, TypeError or AppError for
+        anything an app must not send, the status first); the result is kept."""
+        code = parse_status(status)
+        if code < 200:
+            # An interim status as the whole response would desync the connection: the client
+            # takes it as interim and the next response as this one's.
+            raise AppError(f"a WSGI app cannot send the interim status {status!r}")
+        if type(headers) is not list:
+            raise TypeError(f"headers must be a list, got {type(headers).__name__}")
+        content_length = None
+        event_stream = close = False
+        kept = []
+        for item in headers:
+            if type(item) is not tuple or len(item) != 2:
+                raise TypeError(f"each header must be a (name, value) tuple, got {item!r}")
+            name, value = item
+            check_header(name, value)
+            lname = name.lower()
+            if lname == "content-length":
+                if not value.strip().isdigit():
+                    raise ValueError(f"invalid Content-Length {value!r}")
+                content_length = int(value)
+                continue
+            if lname == "content-type" and value.startswith("text/event-stream"):
+                event_stream = True
+            if lname in HOP_BY_HOP:
+                if lname == "connection" and "close" in value.lower():
+                    close = True
+                continue  # the server frames the message and manages the connection
+            kept.append(item)
+        checked = (code, tuple(kept), content_length, status_and_headers(status, kept),
+                   event_stream, close)
+        if len(self) >= self.LIMIT:
+            self.clear()
+        key = (status, *headers)
+        self[key] = checked
+        return checked
+
+
 def build_environ(request: Request, base: dict[str, Any], keys: HeaderKeys,
                   remote: tuple[str, str], wsgi_input: Input) -> dict[str, Any]:
     environ = base.copy()
@@ -315,17 +371,20 @@ class Exchange:
     """One request and its response: start_response, write(), and handing the body to the
     writer :func:`~forkserve.http.writers.body_writer` chose for it."""
 
-    __slots__ = ("transport", "request", "dates", "status", "status_code", "headers",
-                 "headers_sent", "content_length", "writer", "close", "framing_broken",
+    __slots__ = ("transport", "request", "dates", "heads", "status", "status_code", "headers",
+                 "head_start", "headers_sent", "content_length", "writer", "close", "framing_broken",
                  "finished", "event_stream")
 
-    def __init__(self, transport: Transport, request: Request, dates: DateCache) -> None:
+    def __init__(self, transport: Transport, request: Request, dates: DateCache,
+                 heads: CheckedHeads) -> None:
         self.transport = transport
         self.request = request
         self.dates = dates
+        self.heads = heads
         self.status: str | None = None
         self.status_code = 0
-        self.headers: list[tuple[str, str]] = []
+        self.headers: tuple[tuple[str, str], ...] = ()  # the app's, less the hop-by-hop ones
+        self.head_start = b""  # the status line and those headers (status_and_headers)
         self.headers_sent = False
         self.content_length: int | None = None  # the application's Content-Length, if any
         self.writer: BodyWriter | None = None  # chosen when the head goes
@@ -351,37 +410,24 @@ class Exchange:
                 exc_info = None  # no reference cycle through the traceback
         elif self.status is not None:
             raise AppError("start_response called a second time without exc_info")
-        code = parse_status(status)
-        if code < 200:
-            # An interim status as the whole response would desync the connection: the client
-            # takes it as interim and the next response as this one's.
-            raise AppError(f"a WSGI app cannot send the interim status {status!r}")
-        if type(headers) is not list:
-            raise TypeError(f"headers must be a list, got {type(headers).__name__}")
-        content_length = None
-        kept = []
-        for item in headers:
-            if type(item) is not tuple or len(item) != 2:
-                raise TypeError(f"each header must be a (name, value) tuple, got {item!r}")
-            name, value = item
-            check_header(name, value)
-            lname = name.lower()
-            if lname == "content-length":
-                if not value.strip().isdigit():
-                    raise ValueError(f"invalid Content-Length {value!r}")
-                content_length = int(value)
-                continue
-            if lname == "content-type" and value.startswith("text/event-stream"):
-                self.event_stream = True
-            if lname in HOP_BY_HOP:
-                if lname == "connection" and "close" in value.lower():
-                    self.close = True
-                continue  # the server frames the message and manages the connection
-            kept.append(item)
+        # The same status and headers as an earlier response of this worker's (an app sends
+        # the same few again and again): checked then, so one lookup now. Only values that
+        # passed the check are ever stored, and a key equals only values equal to them.
+        checked = None
+        if type(headers) is list:
+            try:
+                checked = self.heads.get((status, *headers))
+            except TypeError:  # an unhashable item (a list, not a tuple): check() says so
+                checked = None
+        if checked is None:
+            checked = self.heads.check(status, headers)
+        code, self.headers, self.content_length, self.head_start, event_stream, close = checked
         self.status = status
         self.status_code = code
-        self.headers = kept
-        self.content_length = content_length
+        if event_stream:
+            self.event_stream = True
+        if close:
+            self.close = True
         return self.write
 
     # body -------------------------------------------------------------------------------
@@ -417,8 +463,9 @@ class Exchange:
             connection = CONNECTION_CLOSE
         else:  # an HTTP/1.0 client is told the connection stays (RFC 9112 §9.3)
             connection = CONNECTION_KEEP_ALIVE if request.version == "1.0" else b""
-        head = response_head(status, self.headers, (
-            writer.header, connection, b"Date: ", self.dates.get(), SERVER_FIELD), body)
+        # (response_head's join, with the head's start already serialised)
+        head = b"".join((self.head_start, writer.header, connection, b"Date: ", self.dates.get(),
+                         SERVER_FIELD, b"\r\n", body))
         if writer.broken:
             # The head went before the body broke its framing, so it does not say close.
             self.close = self.framing_broken = True
@@ -498,6 +545,6 @@ class Exchange:
             self.transport.send(tail)
 
 
-__all__ = ["AppError", "ClientGone", "ClientSocket", "ErrorStream", "Exchange", "FileWrapper",
+__all__ = ["AppError", "CheckedHeads", "ClientGone", "ClientSocket", "ErrorStream", "Exchange", "FileWrapper",
            "HeaderKeys", "Input", "Transport", "Upgradable", "UpgradeRefused", "base_environ",
            "build_environ", "HTTPError"]

@@ -108,10 +108,17 @@ def response_head(status: str, headers: Iterable[tuple[str, str]], fields: Itera
     The caller has validated ``status`` and ``headers`` (``parse_status``, ``check_header``);
     text is encoded latin-1, as PEP 3333 says. ``body`` is the framed body, if any.
     """
+    return b"".join((status_and_headers(status, headers), *fields, b"\r\n", body))
+
+
+def status_and_headers(status: str, headers: Iterable[tuple[str, str]]) -> bytes:
+    """The start of a response head: the status line and the application's headers, each
+    line ending in CRLF. The part of a head that does not change from one response to the
+    next (no Date, no framing), so a worker may keep it (``wsgi.CheckedHeads``)."""
     lines = ["HTTP/1.1 ", status, "\r\n"]
     for name, value in headers:
         lines += (name, ": ", value, "\r\n")
-    return b"".join(("".join(lines).encode("latin-1"), *fields, b"\r\n", body))
+    return "".join(lines).encode("latin-1")
 
 
 def simple_response(status: int, reason: str, dates: DateCache, body: bytes | None = None,

@@ -35,8 +35,9 @@ from forkserve.sockets import Listener, refusing_new_connections
 from forkserve.workers.base import Worker, WorkerState
 from forkserve.workers.connection import (LINGER_BYTES, LINGER_TIME, RECV_SIZE, Abandoned,
                                           Connection, Timeout, linger_together)
-from forkserve.wsgi import (ClientGone, ClientSocket, ErrorStream, Exchange, FileWrapper,
-                            HeaderKeys, Input, UpgradeRefused, base_environ, build_environ)
+from forkserve.wsgi import (CheckedHeads, ClientGone, ClientSocket, ErrorStream, Exchange,
+                            FileWrapper, HeaderKeys, Input, UpgradeRefused, base_environ,
+                            build_environ)
 
 NEW_CONNECTION_GRACE = 0.5  # seconds a silent new connection gets once the worker stops
 # Seconds an idle keep-alive connection must have been quiet before a stopping worker closes it.
@@ -130,6 +131,7 @@ class Pipeline(Worker):
         """What every request on this worker shares: the Date cache, header keys, environs."""
         self.dates = DateCache()
         self.keys = HeaderKeys()
+        self.heads = CheckedHeads()
         self.proxies = TrustedProxies(self.settings.forwarded_allow_ips,
                                       self.settings.forwarded_for)
         errors = ErrorStream(lambda: self.log.fd)
@@ -618,7 +620,7 @@ class Pipeline(Worker):
         started = time.time() if access_log is not None or metrics is not None else 0.0
         counters = self.counters
         counters.in_flight_requests += 1
-        exchange = Exchange(conn, request, self.dates)
+        exchange = Exchange(conn, request, self.dates, self.heads)
         conn.begin(exchange)
         context = RequestContext(lambda: self._finish_early(conn, exchange), self.pool, self.spans)
         wsgi_input = Input(conn if request.has_body else None)

@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 import pytest
 
 from forkserve.http import Request
-from forkserve.wsgi import ClientSocket, Exchange, UpgradeRefused
+from forkserve.wsgi import CheckedHeads, ClientSocket, Exchange, UpgradeRefused
 
 
 class Dates:
@@ -23,7 +23,7 @@ class Dates:
 def upgrade_exchange(conn: Any) -> Exchange:
     request = Request("GET", b"/ws", "1.1", [(b"Upgrade", b"websocket")], False, None, False,
                       False)
-    exchange = Exchange(conn, request, Dates())  # type: ignore[arg-type]
+    exchange = Exchange(conn, request, Dates(), CheckedHeads())  # type: ignore[arg-type]
     conn.begin(exchange)
     return exchange
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from forkserve.http import Request
-from forkserve.wsgi import AppError, Exchange, FileWrapper
+from forkserve.wsgi import AppError, CheckedHeads, Exchange, FileWrapper
 
 TAIL = b"Date: D\r\nServer: forkserve\r\n\r\n"
 
@@ -48,7 +48,7 @@ def exchange(method: str = "GET", version: str = "1.1", keep_alive: bool = True,
              expect_continue: bool = False) -> tuple[Exchange, FakeTransport]:
     request = Request(method, b"/", version, [], keep_alive, content_length, False, expect_continue)
     transport = FakeTransport(should_close)
-    return Exchange(transport, request, Dates()), transport  # type: ignore[arg-type]
+    return Exchange(transport, request, Dates(), CheckedHeads()), transport  # type: ignore[arg-type]
 
 
 def start(ex: Exchange, status: str = "200 OK", length: int | None = None,
@@ -229,3 +229,83 @@ def test_send_file(method: str, length: int | None, field: bytes, sendfile: bool
         assert ex.sent == (size if sendfile else 0)
         assert f.tell() == (size if sendfile else 0)
     assert not ex.close
+
+
+# -- the worker's CheckedHeads: start_response checks a status and headers list once -----------
+
+def shared_exchange(heads: CheckedHeads, method: str = "GET") -> tuple[Exchange, FakeTransport]:
+    request = Request(method, b"/", "1.1", [], True, None, False, False)
+    transport = FakeTransport(False)
+    return Exchange(transport, request, Dates(), heads), transport  # type: ignore[arg-type]
+
+
+def test_the_same_headers_again_are_one_lookup_with_the_same_response() -> None:
+    heads = CheckedHeads()
+    sent = []
+    for _ in range(3):
+        ex, t = shared_exchange(heads)
+        # New list, tuples and strings each time, as an app builds them: equal by value.
+        ex.start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", str(2))])
+        ex.send_whole(b"ok")
+        sent.append(t.sent)
+        assert (ex.status_code, ex.content_length, ex.close) == (200, 2, False)
+    assert len(heads) == 1
+    assert sent[0] == sent[1] == sent[2] == [HEAD_200 + b"Content-Length: 2\r\n" + TAIL + b"ok"]
+
+
+@pytest.mark.parametrize(("status", "headers", "error"), [
+    ("200 OK", [("X-Bad", "a\r\nInjected: 1")], ValueError),
+    ("200 OK", [("Bad Name", "x")], ValueError),
+    ("200 OK", [["Content-Type", "text/plain"]], TypeError),  # a list: unhashable, still checked
+    ("200 OK", [("Content-Type",)], TypeError),
+    ("200 OK", [("Content-Type", b"text/plain")], TypeError),
+    ("200 OK", [("Content-Length", "x")], ValueError),
+    ("2000 OK", [], ValueError),
+    ("103 Early Hints", [], AppError),
+    (b"200 OK", [], TypeError),
+])
+def test_what_fails_the_check_is_never_kept(status: Any, headers: Any, error: type) -> None:
+    heads = CheckedHeads()
+    for _ in range(2):  # the second time too: nothing was kept that could let it through
+        ex, t = shared_exchange(heads)
+        with pytest.raises(error):
+            ex.start_response(status, headers)
+        assert ex.status is None
+    assert len(heads) == 0
+
+
+def test_a_kept_check_keeps_what_it_found() -> None:
+    """Hop-by-hop fields dropped, an app's close and an event stream: the same on a hit."""
+    heads = CheckedHeads()
+    fields = [("Content-Type", "text/event-stream"), ("Connection", "close"),
+              ("Transfer-Encoding", "chunked")]
+    for _ in range(2):
+        ex, t = shared_exchange(heads)
+        ex.start_response("200 OK", list(fields))
+        ex.write(b"data: 1\n\n")
+        assert (ex.event_stream, ex.close, ex.headers) == (
+            True, True, (("Content-Type", "text/event-stream"),))
+        # (the server's own framing: the app's Transfer-Encoding is not passed on)
+        assert t.sent == [b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                          b"Transfer-Encoding: chunked\r\nConnection: close\r\n" + TAIL
+                          + b"9\r\ndata: 1\n\n\r\n"]
+    assert len(heads) == 1
+
+
+def test_heads_differing_in_any_value_are_checked_apart() -> None:
+    heads = CheckedHeads()
+    for status, value in [("200 OK", "a"), ("200 OK", "b"), ("404 Not Found", "a")]:
+        ex, t = shared_exchange(heads)
+        ex.start_response(status, [("X-V", value)])
+        ex.send_whole(b"")
+        assert t.sent[0].startswith(f"HTTP/1.1 {status}\r\nX-V: {value}\r\n".encode())
+    assert len(heads) == 3
+
+
+def test_checked_heads_are_bounded() -> None:
+    """An app whose headers differ every time (an ETag) refills it, never grows it."""
+    heads = CheckedHeads()
+    for n in range(CheckedHeads.LIMIT * 3):
+        ex, _ = shared_exchange(heads)
+        ex.start_response("200 OK", [("ETag", f'"{n}"')])
+        assert len(heads) <= CheckedHeads.LIMIT
