@@ -7,10 +7,11 @@ has; at run time ``Part`` is an empty class and every name is the owning mixin's
 
 from __future__ import annotations
 
-import subprocess
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
+    import subprocess
+
     from forkserve.arbiter.workers import WorkerHandle
     from forkserve.config import Config
     from forkserve.control import ControlServer

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from forkserve import signals as sigs
 from forkserve.signals import ARBITER_SIGNALS
@@ -34,6 +34,9 @@ from forkserve.status import Answer
 from forkserve.arbiter.observe import json_answer
 from forkserve.arbiter.workers import WorkerHandle, describe_status
 from forkserve.arbiter.part import Part
+
+if TYPE_CHECKING:
+    import subprocess
 
 
 
@@ -77,6 +80,9 @@ class Upgrade(Part):
                 self.count_reload("failed")
                 return
         self.step(Step.UPGRADE)
+        # Imported here, at the one USR2 that needs it: imported at start, subprocess (1 MiB)
+        # was in the arbiter's memory and so, forked, in every worker's.
+        import subprocess
         self.upgrade_check = subprocess.Popen(
             [sys.executable, "-m", "forkserve", "--check", *self.argv], cwd=self.cwd or None,
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
