@@ -56,6 +56,7 @@ import ipaddress
 import re
 from collections import deque
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Final, Union, final
 
 import httptools
@@ -125,7 +126,9 @@ class Limits:
     field_size: int = 8190
     body: int = 0  # 0: no limit
 
-    @property
+    # Derived once per Limits, not on every read they bound (functools.cached_property
+    # stores into the instance's own dict, which a frozen dataclass still has).
+    @cached_property
     def line(self) -> int:
         # Any line as it arrives (the request line, a field line, a chunk-size line with its
         # extensions, a trailer line), counted raw: its CR, and the ": " of a field, are room
@@ -133,7 +136,7 @@ class Limits:
         # bound while they grow, so a line that never ends is cut after at most one read.
         return max(self.request_line, self.field_size) + 4
 
-    @property
+    @cached_property
     def head(self) -> int:
         # The most a complete head may take: the request line with its CRLF and some room
         # (llhttp accepts runs of spaces in it), each field with ": " and CRLF, the final

@@ -64,8 +64,10 @@ class GreenConnection(Connection):
     every call (a sixth of a keep-alive request's CPU time). The same contract as
     Connection._wait_loop: the cutoff, Timeout, Abandoned, ``interrupted``."""
 
-    __slots__ = ("_watchers",)
+    __slots__ = ("_watchers", "_hub", "_waiter_class")
     _watchers: dict[tuple[int, int], Any]  # (fd, events) -> io watcher, made at first use
+    _hub: Any  # gevent's hub and Waiter, looked up at the first wait (see _green_wait)
+    _waiter_class: Any
 
     def _wait(self, flag: int, deadline: float) -> None:
         self.waiting = True
@@ -90,9 +92,12 @@ class GreenConnection(Connection):
         return watcher
 
     def _green_wait(self, events: int, deadline: float) -> None:
-        from gevent.hub import Waiter, get_hub
-
-        hub = get_hub()
+        try:
+            hub, Waiter = self._hub, self._waiter_class
+        except AttributeError:  # the first wait: looked up once, not at every request
+            from gevent.hub import Waiter, get_hub
+            hub = self._hub = get_hub()
+            self._waiter_class = Waiter
         loop = hub.loop
         client = self._watcher(loop, self.fd, events)
         while True:
