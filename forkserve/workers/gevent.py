@@ -93,18 +93,18 @@ class GreenConnection(Connection):
 
     def _green_wait(self, events: int, deadline: float) -> None:
         try:
-            hub, Waiter = self._hub, self._waiter_class
+            hub, waiter_class = self._hub, self._waiter_class
         except AttributeError:  # the first wait: looked up once, not at every request
             from gevent.hub import Waiter, get_hub
             hub = self._hub = get_hub()
-            self._waiter_class = Waiter
+            waiter_class = self._waiter_class = Waiter
         loop = hub.loop
         client = self._watcher(loop, self.fd, events)
         while True:
             remaining = self.wait_left(deadline)
             interrupt_fd = self.interrupt_fd
             interrupt = self._watcher(loop, interrupt_fd, 1) if interrupt_fd >= 0 else None
-            waiter = Waiter(hub)
+            waiter = waiter_class(hub)
             timer = loop.timer(remaining + 0.001)
             client.start(waiter.switch, _CLIENT)
             if interrupt is not None:
