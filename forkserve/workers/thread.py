@@ -82,6 +82,7 @@ class ThreadWorker(Pipeline):
         self.work: queue.SimpleQueue[tuple[Connection, Listener] | None] = queue.SimpleQueue()
         self.back: queue.SimpleQueue[tuple[Connection, Listener, Ending]] = queue.SimpleQueue()
         self.back_r, self.back_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.polling = False  # the poll loop sleeps in poll (see _hand_back)
         self.signal_polls = threading.local()
         self.pool_lock = threading.Lock()  # pool_threads and parked, as threads park or retire
         self.pool_threads: list[threading.Thread] = []
@@ -161,13 +162,21 @@ class ThreadWorker(Pipeline):
                 timeout = min(timeout, pause)
             if self.request_timeout:
                 timeout = min(timeout, max(self.next_request_deadline(now) - now, 0))
-            for fd, _ in self.poller.poll(timeout * 1000.0 + 1):
+            # A thread hands a connection back with a wake-up byte only while this loop sleeps
+            # in poll (see _hand_back): one handed back while it was busy is found here. Set
+            # before the look, so that a hand-back after the look sees it and writes the byte.
+            self.polling = True
+            handed_back = not self.back.empty()
+            ready = self.poller.poll(0 if handed_back else timeout * 1000.0 + 1)
+            self.polling = False
+            for fd, _ in ready:
                 if fd == self.wakeup_r:
                     self.handle_wakeups()
                 elif fd == self.alive_fd:
                     self.arbiter_gone()
                 elif fd == self.back_r:
-                    self._take_back()
+                    drain_pipe(self.back_r)
+                    handed_back = True
                 elif fd in self.idle:
                     self._gather(fd)
                 elif fd in self.flushing:
@@ -179,6 +188,8 @@ class ThreadWorker(Pipeline):
                     # kept-alive clients (c=500) kept them, and its latency, while the other
                     # idled; in rounds, the workers share it as they share the queue.
                     self._accept_into_pool(self.listener_fds[fd], self.settings.threads)
+            if handed_back:
+                self._take_back()
             self._expire_idle(time.monotonic())
             if self.flushing:
                 self.end_writes(time.monotonic())
@@ -279,7 +290,6 @@ class ThreadWorker(Pipeline):
         return min(deadline, stop_grace_end(conn, self.stop_began()))
 
     def _take_back(self) -> None:
-        drain_pipe(self.back_r)
         while True:
             try:
                 conn, listener, ending = self.back.get_nowait()
@@ -350,6 +360,15 @@ class ThreadWorker(Pipeline):
     def _release(self, conn: Connection, linger: bool = False) -> None:
         if self.release(conn, linger) and threading.get_ident() != self.main_ident:
             self._wake_main()  # a stopping worker leaves when its last connection is gone
+
+    def _hand_back(self, conn: Connection, listener: Listener, ending: Ending) -> None:
+        """-- runs in a pool thread. The connection goes back to the poll loop; a wake-up byte
+        only if the loop sleeps in poll (a write, and the loop's read of it, per request
+        otherwise). Put first, then look: a loop that set ``polling`` before it looked at
+        the queue either saw this connection there, or is seen polling here."""
+        self.back.put((conn, listener, ending))
+        if self.polling:
+            self._wake_main()
 
     def _wake_main(self) -> None:
         try:
@@ -427,8 +446,7 @@ class ThreadWorker(Pipeline):
             # Back to the main thread, which writes out what the client has not taken yet,
             # and watches it (applying a stop's grace), drains it before closing (a
             # lingering close: no thread waits on the client), or ends it.
-            self.back.put((conn, listener, ending))
-            self._wake_main()
+            self._hand_back(conn, listener, ending)
         else:
             self._release(conn, linger=ending is Ending.LINGER)
 
