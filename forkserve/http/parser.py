@@ -57,6 +57,7 @@ import re
 from collections import deque
 from dataclasses import dataclass
 from functools import cached_property
+from types import MappingProxyType
 from typing import Callable, Final, Union, final
 
 import httptools
@@ -148,7 +149,7 @@ class Request:
     """The head of one request. Bytes stay bytes: the WSGI layer decides their encoding."""
 
     __slots__ = ("method", "target", "path", "query", "version", "headers", "keep_alive",
-                 "content_length", "chunked", "expect_continue", "upgrade")
+                 "content_length", "chunked", "expect_continue", "upgrade", "has_body")
 
     def __init__(self, method: str, target: bytes, version: str, headers: list[tuple[bytes, bytes]],
                  keep_alive: bool, content_length: int | None, chunked: bool,
@@ -162,6 +163,7 @@ class Request:
         self.chunked = chunked
         self.expect_continue = expect_continue
         self.upgrade = False
+        self.has_body = chunked or bool(content_length)  # (read a few times a request)
         if target[:1] == b"/":
             path, _, query = target.partition(b"?")
         elif target == b"*":
@@ -179,10 +181,6 @@ class Request:
         self.path = path.partition(b"#")[0]
         self.query = query.partition(b"#")[0]
 
-    @property
-    def has_body(self) -> bool:
-        return self.chunked or bool(self.content_length)
-
     def __repr__(self) -> str:
         return f"<Request {self.method} {self.target!r} HTTP/{self.version}>"
 
@@ -191,6 +189,10 @@ class Request:
 # error that refuses the request after the complete ones.
 Event = Union[Request, bytes, EndOfMessage, HTTPError]
 
+
+# The methods most requests use, as the str a Request holds: one lookup, not a decode.
+_METHOD_NAMES: Final = MappingProxyType({name.encode("ascii"): name for name in (
+    "GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")})
 
 # The fields on_header looks at (the rest it only counts and keeps).
 _FRAMING_FIELDS = frozenset({b"content-length", b"transfer-encoding", b"host", b"content-type",
@@ -229,6 +231,7 @@ class RequestParser:
         self._te: bytes | None = None
         self._hosts = 0
         self._host = b""
+        self._host_checked: bytes | None = None  # the last Host found valid on this connection
         self._content_types = 0
         self._expect = False
         self._close = False
@@ -357,7 +360,10 @@ class RequestParser:
             raise HTTPError(400, "Bad request target") from None
         except httptools.HttpParserError as exc:
             raise HTTPError(400, _reason(exc)) from None
-        self._measure_line(data)
+        if self._in_head or self._in_body or data[-1:] != b"\n":
+            self._measure_line(data)
+        else:
+            self._line = 0  # the read ended with a request's last LF (the usual case): as measured
         if self._in_head:
             if self._began_here:
                 # The head began inside this feed: count what it holds so far, not the bytes
@@ -527,8 +533,10 @@ class RequestParser:
             raise HTTPError(505, "HTTP version not supported")
         if self._hosts > 1 or (self._hosts == 0 and version == "1.1"):
             raise HTTPError(400, "A request needs exactly one Host header")
-        if self._hosts and not _valid_host(self._host):
-            raise HTTPError(400, "Invalid Host header")  # RFC 9110 §7.2, RFC 9112 §3.2
+        if self._hosts and self._host != self._host_checked:
+            if not _valid_host(self._host):
+                raise HTTPError(400, "Invalid Host header")  # RFC 9110 §7.2, RFC 9112 §3.2
+            self._host_checked = self._host  # (a kept-alive client sends the same one again)
         if self._content_types > 1:
             # A singleton field (RFC 9110 §8.3): joined with a comma (RFC 9110 §5.3) it would
             # be a media type no one sent, and which one counts would be the reader's guess.
@@ -549,7 +557,8 @@ class RequestParser:
             raise HTTPError(413, "Request body too large")
         parts = self._url_parts
         target = parts[0] if len(parts) == 1 else b"".join(parts)
-        method = parser.get_method().decode("ascii")
+        method_bytes = parser.get_method()
+        method = _METHOD_NAMES.get(method_bytes) or method_bytes.decode("ascii")
         if method == "CONNECT":
             # A tunnel, for proxies (RFC 9110 §9.3.6), in authority-form only (RFC 9112
             # §3.2.3): an application server serves none ("CONNECT /" reached the app).

@@ -77,10 +77,7 @@ class GreenConnection(Connection):
             self.waiting = False
 
     def _watcher(self, loop: Any, fd: int, events: int) -> Any:
-        try:
-            watchers = self._watchers
-        except AttributeError:
-            watchers = self._watchers = {}
+        watchers = self._watchers
         watcher = watchers.get((fd, events))
         if watcher is None:
             watcher = watchers[fd, events] = loop.io(fd, events)
@@ -93,17 +90,25 @@ class GreenConnection(Connection):
 
     def _green_wait(self, events: int, deadline: float) -> None:
         try:
-            hub, waiter_class = self._hub, self._waiter_class
+            hub, waiter_class, watchers = self._hub, self._waiter_class, self._watchers
         except AttributeError:  # the first wait: looked up once, not at every request
             from gevent.hub import Waiter, get_hub
             hub = self._hub = get_hub()
             waiter_class = self._waiter_class = Waiter
+            watchers = self._watchers = {}
         loop = hub.loop
-        client = self._watcher(loop, self.fd, events)
+        # (_watcher's work, inline where the watcher is there and free: every wait but the first)
+        client = watchers.get((self.fd, events))
+        if client is None or client.active:
+            client = self._watcher(loop, self.fd, events)
         while True:
             remaining = self.wait_left(deadline)
             interrupt_fd = self.interrupt_fd
-            interrupt = self._watcher(loop, interrupt_fd, 1) if interrupt_fd >= 0 else None
+            interrupt = None
+            if interrupt_fd >= 0:
+                interrupt = watchers.get((interrupt_fd, 1))
+                if interrupt is None or interrupt.active:
+                    interrupt = self._watcher(loop, interrupt_fd, 1)
             waiter = waiter_class(hub)
             timer = loop.timer(remaining + 0.001)
             client.start(waiter.switch, _CLIENT)

@@ -178,3 +178,36 @@ def test_the_whole_request_line_is_limited_at_the_default(method: str) -> None:
             for piece in pieces:
                 refused.feed(piece)
         assert info.value.status == 414, split
+
+
+# -- what a kept-alive parser remembers between requests ------------------------------------------
+
+def test_a_valid_host_on_a_connection_does_not_let_a_bad_one_through() -> None:
+    """The Host check is skipped for the Host the previous request on the connection had (it
+    passed); any other Host is checked again."""
+    parser = RequestParser(Limits())
+    for _ in range(2):
+        parser.feed(b"GET / HTTP/1.1\r\nHost: example.com:8080\r\n\r\n")
+        head = parser.next_event()
+        assert isinstance(head, Request) and parser.next_event() is END
+    with pytest.raises(HTTPError) as refused:
+        parser.feed(b"GET / HTTP/1.1\r\nHost: exa mple.com\r\n\r\n")
+    assert refused.value.status == 400
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS",
+                                    "PROPFIND", "PURGE"])
+def test_a_method_is_the_str_it_was_sent_as(method: str) -> None:
+    parser = RequestParser(Limits())
+    parser.feed(f"{method} / HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n".encode())
+    head = parser.next_event()
+    assert isinstance(head, Request) and head.method == method and type(head.method) is str
+
+
+def test_carriage_returns_between_requests_are_still_bounded() -> None:
+    """A read that ends at a request's end skips the line measure; CRs after it (llhttp takes
+    them before the next request) still count as an unfinished line."""
+    parser = RequestParser(Limits())
+    error, fed = feed_until_refused(parser, endless(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n", b"\r",
+                                                    4 * MIB, piece=4096))
+    assert error.status == 431 and fed < Limits().line + 2 * 4096
