@@ -27,7 +27,7 @@ class Transport(Protocol):
     continue_sent: bool
 
     def send(self, data: bytes) -> None: ...
-    def send_last(self, data: bytes) -> None: ...
+    def send_last(self, data: bytes, close_next: bool = False) -> None: ...
     def sendfile(self, fileno: int, offset: int, count: int) -> int: ...
     def read_body(self) -> bytes: ...
     def should_close(self) -> bool: ...
@@ -493,8 +493,10 @@ class Exchange:
             if framed:
                 self.transport.send(framed)
 
-    def send_whole(self, body: bytes) -> None:
-        """The whole body known at once (a list or tuple): one send, with a Content-Length."""
+    def send_whole(self, body: bytes, close_next: bool = False) -> None:
+        """The whole body known at once (a list or tuple): one send, with a Content-Length.
+        ``close_next``: the caller closes the connection right after, with nothing in
+        between, if this response ends it (see Connection.send_last)."""
         if self.finished:
             return
         if self.writer is not None:
@@ -502,8 +504,9 @@ class Exchange:
             self.finish()
             return
         self.finished = True
+        head = self._respond(len(body), body, whole=True)
         # The whole response: a slow reader's rest may be left to the worker (send_last).
-        self.transport.send_last(self._respond(len(body), body, whole=True))
+        self.transport.send_last(head, close_next and self.close)
 
     def send_file(self, wrapper: FileWrapper) -> bool:
         """Serve a FileWrapper with sendfile; False when it must be iterated instead."""

@@ -95,6 +95,11 @@ class Pipeline(Worker):
     upgrade_refusal: str | None = None
 
     connection_class = Connection  # (the gevent worker's waits are its loop's own)
+    # A response that ends its connection goes out with the FIN in one segment (see
+    # Connection.send_last), where the close follows the send at once: in the sync worker.
+    # A thread worker's request thread may wait for the GIL between the two, and a gevent
+    # worker's greenlet may yield; the held segment would wait with them.
+    closes_at_once = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -658,7 +663,7 @@ class Pipeline(Worker):
             else:
                 if timed:
                     self.time_request(context, conn)
-                keep = self._run_app(exchange, environ)
+                keep = self._run_app(exchange, environ, context)
                 status = exchange.status_code
         except ClientGone:
             status = exchange.status_code or 499
@@ -832,12 +837,21 @@ class Pipeline(Worker):
         self.counters.active_connections -= 1
         self.report()
 
-    def _run_app(self, exchange: Exchange, environ: dict[str, Any]) -> bool:
+    def _run_app(self, exchange: Exchange, environ: dict[str, Any],
+                 context: RequestContext) -> bool:
         result = self.app(environ, exchange.start_response)  # type: ignore[misc]
         try:
             kind = type(result)
             if (kind is list or kind is tuple) and len(result) == 1 and type(result[0]) is bytes:
-                exchange.send_whole(result[0])  # the hello-world path: one send in all
+                # The hello-world path: one send in all. The close follows at once (one
+                # segment with the FIN: Connection.send_last) when no code of the app's runs
+                # in between (no shutdown function, no request hook; a list has no close())
+                # and the client itself asked to close: after that it sends nothing (RFC 9112
+                # §9.6), so no late request can turn the close into a reset of a held response.
+                request = exchange.request
+                exchange.send_whole(result[0], self.closes_at_once and not request.keep_alive
+                                    and not request.upgrade and not context.functions
+                                    and not self.request_hooks)
             elif not (kind is FileWrapper and exchange.send_file(result)):
                 write = exchange.write
                 for data in result:

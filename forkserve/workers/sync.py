@@ -42,6 +42,7 @@ RUNNING = WorkerState.RUNNING
 class SyncWorker(Pipeline):
     multithread = False
     defers_writes = True  # a whole response a slow reader has not taken: the loop writes it
+    closes_at_once = True  # (one thread, no yield: the close follows the last send at once)
     # A WebSocket would hold the worker's one connection for its whole life (everyone else
     # waits), and beat no heartbeat past --timeout: refused, with the way out.
     upgrade_refusal = ("the sync worker serves one connection at a time; a WebSocket needs "

@@ -21,11 +21,14 @@ class FakeTransport:
         self.sent: list[bytes] = []
         self.files: list[tuple[int, int, int]] = []
         self.close = close
+        self.close_next: list[bool] = []
 
     def send(self, data: bytes) -> None:
         self.sent.append(data)
 
-    send_last = send  # (a worker may write the rest of a whole response itself)
+    def send_last(self, data: bytes, close_next: bool = False) -> None:
+        self.sent.append(data)  # (a worker may write the rest of a whole response itself)
+        self.close_next.append(close_next)
 
     def sendfile(self, fileno: int, offset: int, count: int) -> int:
         self.files.append((fileno, offset, count))
@@ -309,3 +312,14 @@ def test_checked_heads_are_bounded() -> None:
         ex, _ = shared_exchange(heads)
         ex.start_response("200 OK", [("ETag", f'"{n}"')])
         assert len(heads) <= CheckedHeads.LIMIT
+
+
+@pytest.mark.parametrize(("keep_alive", "held"), [(False, True), (True, False)])
+def test_a_whole_body_waits_for_the_close_only_if_it_ends_the_connection(keep_alive: bool,
+                                                                          held: bool) -> None:
+    """send_whole(close_next=True): the caller closes right after; the transport is told so
+    only when this response ends the connection (see Connection.send_last)."""
+    ex, t = exchange(keep_alive=keep_alive)
+    start(ex, length=2)
+    ex.send_whole(b"ok", close_next=True)
+    assert t.close_next == [held] and ex.close is held
