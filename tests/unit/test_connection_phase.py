@@ -263,3 +263,27 @@ def test_sync_waits_watch_the_signal_pipe_and_read_it(worker: Any, pair: Any) ->
         os.read(w.wakeup_r, 1)  # drained: the handlers' signal bytes are read by the policy
     assert w.state is WorkerState.RUNNING
     conn.close()
+
+
+# -- how much a read asks for ----------------------------------------------------------------
+
+def test_reads_ask_for_8_kib_until_one_fills_it_then_64_kib(pair: Any) -> None:
+    """A request of a few hundred bytes never makes a 64 KiB buffer (each read allocates what
+    it asks for: the C heap fragmented under load); a large head or body gets large reads
+    once one read came full, for the rest of the connection."""
+    from forkserve.workers.connection import FIRST_READS, RECV_SIZE
+    conn, client = pair()
+    client.sendall(HEAD)
+    assert conn.read_head(soon(1)) is not None
+    assert conn.read_size == FIRST_READS
+    body = b"x" * (2 * RECV_SIZE)  # (within a socketpair's buffer: sent before any read)
+    client.sendall(b"POST /up HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+                   + body)
+    conn.parser.take_end()
+    request = conn.read_head(soon(1))
+    assert request is not None and request.content_length == len(body)
+    assert conn.read_size == RECV_SIZE  # (the head's read came full: the body's pieces were)
+    got = b""
+    while len(got) < len(body):
+        got += conn.read_body()
+    assert got == body
