@@ -12,20 +12,15 @@ socket's queue instead.
 from __future__ import annotations
 
 import fcntl
-import os
 import socket
 import struct
 from typing import Any, Callable, Iterator
 
 import pytest
 
-from forkserve.config import parse_args, resolve
 from forkserve.context import RequestContext
 from forkserve.http import Limits, Request
-from forkserve.logs import Log
-from forkserve.workers.base import WorkerEvent, WorkerSettings
 from forkserve.workers.connection import Connection
-from forkserve.workers.pipeline import Pipeline
 from forkserve.wsgi import Exchange
 
 SIOCOUTQNSD = 0x894B  # <linux/sockios.h>: bytes in the send queue not yet sent
@@ -99,35 +94,12 @@ class Recorder:
         return False
 
 
-class Worker(Pipeline):
-    def should_close(self) -> bool:
-        return False
-
-
-@pytest.fixture
-def worker() -> Iterator[Callable[..., Worker]]:
-    made: list[Worker] = []
-    counter_r, counter_w = os.pipe()
-    config = resolve(parse_args(["tests.apps.basic:app"], "test")[0], {})
-
-    def make(closes_at_once: bool) -> Worker:
-        worker = Worker(1, 1, WorkerSettings.of(config), [], counter_w, -1, Log("-"), None, [])
-        worker.closes_at_once = closes_at_once
-        worker.setup_http()
-        worker._enter(WorkerEvent.BOOTED)
-        made.append(worker)
-        return worker
-    yield make
-    os.close(counter_r)
-    os.close(counter_w)
-
-
 def hello(environ: dict[str, Any], start_response: Any) -> Any:
     start_response("200 OK", [("Content-Length", "2")])
     return [b"ok"]
 
 
-def run(worker: Worker, *, keep_alive: bool = False, upgrade: bool = False,
+def run(worker: Any, *, keep_alive: bool = False, upgrade: bool = False,
         shutdown_function: bool = False, app: Any = hello) -> bool:
     """One request through _run_app: what send_last was told of the close."""
     request = Request("GET", b"/", "1.1", [], keep_alive, None, False, False)

@@ -8,17 +8,15 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 
-from forkserve.config import parse_args, resolve
 from forkserve.context import RequestCancelled
 from forkserve.http import HTTPError
-from forkserve.logs import Log
-from forkserve.workers.base import WorkerEvent, WorkerSettings, WorkerState
+from forkserve.workers.base import WorkerEvent, WorkerState
 from forkserve.workers.connection import Abandoned, Connection, Phase, Timeout
-from forkserve.workers.pipeline import NEW_CONNECTION_GRACE, Pipeline
+from forkserve.workers.pipeline import NEW_CONNECTION_GRACE
 
 HEAD = b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n"
 
@@ -141,35 +139,7 @@ def test_should_close_is_the_workers_own(pair: Any) -> None:
     assert plain.should_close() is False
 
 
-# -- the pipeline's interrupt policy -------------------------------------------------------
-class Policy(Pipeline):
-    """A pipeline with the knobs a test sets; nothing is served."""
-
-    def should_close(self) -> bool:
-        return False
-
-
-@pytest.fixture
-def worker() -> Iterator[Callable[..., Policy]]:
-    made: list[Policy] = []
-    counter_r, counter_w = os.pipe()
-    config = resolve(parse_args(["tests.apps.basic:app"], "test")[0], {})
-
-    def make(stop_pipes: bool = False, kills_requests: bool = False) -> Policy:
-        worker = Policy(1, 1, WorkerSettings.of(config), [], counter_w, -1, Log("-"), None, [])
-        worker.stop_pipes, worker.kills_requests = stop_pipes, kills_requests
-        worker.wakeup_r, worker.wakeup_w = os.pipe2(os.O_NONBLOCK)
-        worker.setup_http()
-        worker._enter(WorkerEvent.BOOTED)
-        made.append(worker)
-        return worker
-    yield make
-    for w in made:
-        for fd in (w.wakeup_r, w.wakeup_w, w.stop_r, w.stop_w, w.cancel_r, w.cancel_w):
-            if fd >= 0:
-                os.close(fd)
-    os.close(counter_r)
-    os.close(counter_w)
+# -- the pipeline's interrupt policy (the ``worker`` fixture: tests/unit/conftest.py) ---------
 
 
 @pytest.mark.parametrize("kind", ["sync", "thread", "gevent"])
