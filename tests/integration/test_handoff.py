@@ -7,6 +7,7 @@ per request: a connection refused or reset during the handoff is a failed reques
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import time
@@ -31,6 +32,15 @@ def version_file(tmp_path: Path, name: str) -> Path:
     path = tmp_path / f"version-{name}"
     path.write_text(name)
     return path
+
+
+def set_version(path: Path, text: str) -> None:
+    """Rewrite a version file in one step (a rename): a worker importing the app meanwhile
+    reads the old text or the new, never the empty file write_text leaves for a moment (a
+    failed generation retries its boot at any time)."""
+    staged = path.with_name(path.name + ".new")
+    staged.write_text(text)
+    os.replace(staged, path)
 
 
 def start_old(server_factory: Any, tmp_path: Path, *args: str) -> Server:
@@ -251,13 +261,13 @@ def test_a_resume_that_cannot_boot_retries_instead_of_keeping_the_paused_workers
     version = tmp_path / "version-old"
     old.signal(signal.SIGTTOU)
     old.wait_log("Paused: not listening")
-    version.write_text("broken")
+    set_version(version, "broken")
     old.signal(signal.SIGTTIN)
     old.wait_log("Resumed: listening again")
     old.wait_log("failed to boot", 15)
     assert old.count_log("Reload failed") == 0, old.log_text()
     with send_get(old.port, "/") as waiting:  # queued: nobody can take it yet
-        version.write_text("fixed")
+        set_version(version, "fixed")
         response = read_response(waiting, 20)
     assert response.status == 200 and response.body.startswith(b"fixed "), response
     old.wait_log("Reload complete")  # the retried generation booted; the paused ones retire
