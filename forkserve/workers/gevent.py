@@ -195,6 +195,7 @@ class GeventWorker(Pipeline):
         self.setup_http()
         limit = min(self.worker_connections, self.max_connections or self.worker_connections)
         self.conn_pool = Pool(limit)
+        self.wakeable: set[Any] = set()  # the acceptors inside their loops (_throw_wake)
         self.acceptors = [gevent.spawn(self._acceptor, listener) for listener in self.listeners]
         ticker = gevent.spawn(self._ticker)
         watcher = gevent.spawn(self._watch_arbiter)
@@ -227,18 +228,23 @@ class GeventWorker(Pipeline):
     def _acceptor(self, listener: Listener) -> None:
         from gevent.socket import wait_read
 
-        while self.state is RUNNING and not self.pause_requested:
-            try:
-                self.conn_pool.wait_available()
-                if self.state is not RUNNING:
-                    break
-                wait_read(listener.fd)
-                self._accept_ready(listener)
-                pause = self.accept_paused_for()
-                if pause:
-                    self._gevent.sleep(pause)  # out of descriptors: the listener stays readable
-            except _Wake:
-                continue
+        me = self._gevent.getcurrent()
+        self.wakeable.add(me)  # (see _throw_wake: every wait of this loop catches _Wake)
+        try:
+            while self.state is RUNNING and not self.pause_requested:
+                try:
+                    self.conn_pool.wait_available()
+                    if self.state is not RUNNING:
+                        break
+                    wait_read(listener.fd)
+                    self._accept_ready(listener)
+                    pause = self.accept_paused_for()
+                    if pause:
+                        self._gevent.sleep(pause)  # out of descriptors: the listener stays readable
+                except _Wake:
+                    continue
+        finally:
+            self.wakeable.discard(me)
         # Stopping: serve the clients already queued (none is reset), then stop listening;
         # past the deadline they get a 503 instead. Retiring (max-requests) takes no more.
         if self.state is WorkerState.STOPPING and self.takes_queue(listener) or (
@@ -332,14 +338,30 @@ class GeventWorker(Pipeline):
 
     # -- signals (each handler runs in a greenlet of its own) --------------------------------
     def _wake_acceptors(self) -> None:
-        for acceptor in getattr(self, "acceptors", ()):
-            acceptor.kill(_Wake, block=False)
+        acceptors = getattr(self, "acceptors", ())
+        if acceptors:
+            loop = self._gevent.get_hub().loop
+            for acceptor in acceptors:
+                loop.run_callback(self._throw_wake, acceptor)
         # gevent's signal watchers replace the C handler that would have written the signal
         # to the wakeup pipe; the wind-down wait (background tasks) watches that pipe.
         try:
             os.write(self.wakeup_w, b"\0")
         except BlockingIOError:
             return  # full: the waiter is awake anyway
+
+    def _throw_wake(self, acceptor: Any) -> None:
+        # -- runs in the hub, a turn after _wake_acceptors (as Greenlet.kill's throw would),
+        # and only into an acceptor still in its loop: every wait there catches _Wake. By then
+        # an acceptor may have left its loop by itself (woken by a client as the stop came):
+        # its drain of the queue catches nothing, and a _Wake there escaped the greenlet
+        # ("failed with _Wake" on stderr) and cut the drain short.
+        if acceptor not in self.wakeable:
+            return
+        try:
+            acceptor.throw(_Wake)
+        except BaseException:  # noqa: BLE001 - as gevent's own kill: the hub reports it
+            acceptor.parent.handle_error(acceptor, *sys.exc_info())
 
     def _stop_gracefully(self) -> None:
         self._enter(WorkerEvent.STOP)
