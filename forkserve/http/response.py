@@ -1,8 +1,10 @@
 """Response framing: the head builder, header validation, chunk framing, the Date header.
 
-Pure functions over bytes; no sockets, no WSGI. ``response_head`` is the one place a response
-head is serialised: the WSGI exchange, the server's own small responses and the arbiter's
-status server all go through it. The body writers are in :mod:`forkserve.http.writers`.
+Pure functions over bytes; no sockets, no WSGI. ``status_and_headers`` is the one place a
+status line and headers are serialised: ``response_head`` (the server's own small responses,
+the arbiter's status server) adds the server's fields to it, and the WSGI exchange keeps it
+per status and headers list (``wsgi.CheckedHeads``) and adds its fields in the same one join.
+The body writers are in :mod:`forkserve.http.writers`.
 """
 
 from __future__ import annotations
