@@ -163,12 +163,10 @@ class Arbiter(WorkerTable, Drain, Generations, Upgrade, Handoff, Observe, Comman
             for signum in self.signals.drain():
                 self.dispatch.get(signum, self.reap)()
             self.read_counters()
-            if self.fresh is not None and self.refresh_done(time.monotonic()) \
-                    and self.status_server is not None:
-                self.status_server.resume()
             self.reap()
             reactor.dispatch(ready)  # the control socket's and the status server's clients
             now = time.monotonic()
+            self.settle_refresh(now)
             if self.control is not None:
                 self.control.expire(now)
             if self.status_server is not None:

@@ -85,6 +85,18 @@ class Observe(Part):
             return True
         return False
 
+    def settle_refresh(self, now: float) -> None:
+        """Each round: end a refresh whose numbers are in (or whose wait is over), then answer
+        the status requests that waited for numbers, whoever's refresh brought them: a
+        control-socket status that came meanwhile waits for the same refresh in place and ends
+        it. (Run after the round's clients, as one may have ended it: no deadline is left to
+        wake the loop for the waiting ones.)"""
+        if self.fresh is not None:
+            self.refresh_done(now)
+        server = self.status_server
+        if self.fresh is None and server is not None and server.waiting:
+            server.resume()
+
     def refresh_counters(self) -> None:
         """The control socket's status: the same, waiting here (bounded by REFRESH_WAIT)."""
         while not self.numbers_fresh():
