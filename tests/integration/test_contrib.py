@@ -715,8 +715,17 @@ def test_nginx_from_the_contrib_config(server_factory: Any, tmp_path: Path) -> N
                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         def up() -> bool:
+            # Accepting, not just there: nginx binds (the file appears) before it listens, and
+            # a connect between the two is refused (seen in CI on a loaded machine).
             assert nginx.poll() is None, (tmp_path / "error.log").read_text(errors="replace")
-            return listen.exists()
+            if not listen.exists():
+                return False
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.connect(str(listen))
+                except ConnectionRefusedError:
+                    return False
+            return True
         wait_for(up, 20, "nginx to listen")
         count = 10
         seen = keepalive_environs(str(listen), count, headers="X-Forwarded-Proto: https\r\n")
