@@ -292,6 +292,7 @@ class StatusServer:
         self.waiting.pop(fd, None)
         self.reactor.remove(fd)
         client.sock.close()
+        client.parser = None  # it holds the client's bound methods: a cycle otherwise
 
     # -- an upgrade's exec: the accepted clients change hands -------------------------------
     def hand_over(self) -> None:

@@ -249,6 +249,14 @@ class RequestParser:
         self._body_last = False
         self._after_chunk_size = False
 
+    def dispose(self) -> None:
+        """The connection is closed: let go of llhttp's parser. It holds our bound methods
+        (its callbacks), so the two are a reference cycle that only the cyclic collector
+        frees: 17 objects a connection, and on a connection that lived long enough to be
+        promoted, not for a long time (1,270 parsers, about 2.5 MiB, waited in one thread
+        worker after a c=500 Connection: close run). Nothing is parsed after this."""
+        del self._parser
+
     # -- output ------------------------------------------------------------------------
     def next_event(self) -> Event | None:
         """Take the next event off the queue; None when it is empty (feed more input)."""

@@ -654,6 +654,7 @@ class Connection:
             return
         self.phase = CLOSED
         self.exchange = None
+        self.parser.dispose()  # (a reference cycle otherwise: freed now, not by a collection)
         if self.taken:
             # The app has returned: it sent its own close (a WebSocket Close frame) or just
             # stopped. The server closes TCP first (RFC 6455 §7.1.1); shut down first, so a
