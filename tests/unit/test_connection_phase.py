@@ -5,9 +5,11 @@ server."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import time
+import weakref
 from typing import Any
 
 import pytest
@@ -30,6 +32,25 @@ class FakeExchange:
 
     class request:
         expect_continue = False
+
+
+def test_a_closed_connections_parser_is_freed_without_the_cyclic_collector(pair: Any) -> None:
+    """llhttp's parser holds the RequestParser's bound methods: closing the connection lets
+    go of it, so the parser goes with the connection, not at some later collection (a cycle
+    per connection, which piled up in long-lived workers)."""
+    conn, client = pair()
+    client.sendall(HEAD)
+    assert conn.read_head(soon(1.0)) is not None
+    conn.begin(FakeExchange())  # type: ignore[arg-type]
+    conn.end_request()
+    parser = weakref.ref(conn.parser)
+    conn.close()
+    gc.disable()
+    try:
+        del conn
+        assert parser() is None
+    finally:
+        gc.enable()
 
 
 def test_a_request_moves_through_the_phases(pair: Any) -> None:
