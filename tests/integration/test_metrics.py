@@ -302,11 +302,14 @@ def test_counters_never_go_down_while_max_requests_recycles_workers(server_facto
     assert len(served) > 2, f"no worker was recycled: served by {served}"
     assert rising.scrapes >= 3, f"only {rising.scrapes} scrapes during the load"
     m = rising.check(counted(server, total))
-    # Exactly one restart per retirement the arbiter logged; 400 requests at 50 per worker
-    # retire at least 7 (the two live workers hold fewer than 50 each).
+    # Exactly one restart per retirement the arbiter logged; every worker that served and is
+    # not one of the two live ones retired. (Not a count from 400 / 50: a retiring sync
+    # worker still answers the clients it had accepted, whose requests were on their way, so
+    # a retiree may serve a few more than 50. Seen on a loaded machine: six retirees, and two
+    # live workers under 50.)
     def settled(m: Metrics) -> bool:
         return (restarts(m)["max_requests"] == server.count_log("retired:")
-                and restarts(m)["max_requests"] >= 7
+                and restarts(m)["max_requests"] >= len(served) - 2
                 and m.value("forkserve_workers", state="running") == 2
                 and m.value("forkserve_workers") == 2)
     m = rising.check(wait_metrics(server, settled, "one restart counted per retirement, and "
