@@ -181,20 +181,24 @@ class Handoff(Part):
         """The bind failed: is the port still held by our own paused workers, serving what was
         queued at the pause before they close their copies (a TTIN soon after a TTOU, a sync
         worker in a long request)? Then try again shortly, bounded by the drain timeout; a port
-        held by anyone else fails the resume at once."""
+        held by anyone else fails the resume once binds have gone on failing for RELEASE_GRACE
+        with none of our workers holding it."""
         held = any(holds_inode(pid, inode) for pid in self.workers
                    for inode in self.paused_inodes) or still_listening(self.paused_inodes)
         if self.resume_retry_at is None:
-            if not held:
-                return False
             self.resume_until = now + self.config.drain_timeout
             self.released_at = None
-            self.log.info("Resume: the paused workers still hold the port while they serve what "
-                          "was queued; listening again once they have let it go")
+            if held:
+                self.log.info("Resume: the paused workers still hold the port while they serve "
+                              "what was queued; listening again once they have let it go")
         elif now >= self.resume_until:
             self.resume_retry_at = None
             return False
-        elif not held:
+        if not held:
+            # Not held by our workers now, and the bind failed. Perhaps they let it go between
+            # the two (seen on a loaded machine: a TTIN just after a TTOU, whose new
+            # generation had booted meanwhile), or the close is not finished in the kernel;
+            # else someone else has it. A few more tries within RELEASE_GRACE tell them apart.
             # They let it go, and the port is still taken: by someone else, or by a close
             # the kernel has not finished. A few more tries tell the two apart.
             self.released_at = now if self.released_at is None else self.released_at

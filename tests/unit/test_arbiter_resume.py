@@ -1,5 +1,6 @@
 """A TTIN's bind that finds the port taken: wait for our own paused workers (bounded), give
-up at once on anyone else, and tell a close the kernel has not finished from someone else."""
+up on anyone else after a short grace, and tell a close the kernel has not finished from
+someone else."""
 
 from __future__ import annotations
 
@@ -29,10 +30,15 @@ def paused(tmp_path: Path, monkeypatch: Any) -> Any:
     return a, held
 
 
-def test_a_port_someone_else_holds_fails_at_once(paused: Any) -> None:
+def test_a_port_someone_else_holds_fails_after_the_short_grace(paused: Any) -> None:
+    """Not held by our workers at the first failed bind: they may have let it go just after
+    it (a TTIN just after a TTOU, on a loaded machine), so binds go on for RELEASE_GRACE."""
     a, held = paused
     held["value"] = False
-    assert a.resume_waits(100.0) is False and a.resume_retry_at is None
+    assert a.resume_waits(100.0) is True, "perhaps let go a moment ago: try again"
+    assert a.resume_retry_at == pytest.approx(100.0 + RESUME_RETRY)
+    assert a.resume_waits(100.0 + RELEASE_GRACE / 2) is True
+    assert a.resume_waits(100.0 + RELEASE_GRACE) is False and a.resume_retry_at is None
 
 
 def test_our_paused_workers_are_waited_for_then_a_short_grace(paused: Any) -> None:
