@@ -12,5 +12,9 @@ from typing import Any
 def when_ready(server: Any) -> None:
     monkey = sys.modules.get("gevent.monkey")
     patched = bool(monkey and monkey.is_module_patched("socket"))  # type: ignore[attr-defined]
-    with open(os.environ["MODULES_FILE"], "w", encoding="utf-8") as fh:
+    # Written whole, then renamed: the test reads the file as soon as it exists (on a loaded
+    # machine it once read it between the open and the write).
+    path = os.environ["MODULES_FILE"]
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
         json.dump({"modules": sorted(sys.modules), "socket_patched": patched}, fh)
+    os.replace(path + ".tmp", path)
