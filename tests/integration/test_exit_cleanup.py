@@ -27,7 +27,10 @@ def cleaned(directory: Path, pid: int, paths: list[str], timeout: float = 15.0) 
     wait_for(lambda: (directory / f"atexit-{pid}").exists(), timeout,
              f"worker {pid}'s atexit handler to run; files: {sorted(p.name for p in directory.iterdir())}")
     assert (directory / f"on_worker_exit-{pid}").exists()
-    assert (directory / f"order-{pid}").read_text().split() == ["on_worker_exit", "atexit"]
+    # (The handler writes its file, then appends its name to the order file: waited for too.)
+    order = directory / f"order-{pid}"
+    wait_for(lambda: order.read_text().split() == ["on_worker_exit", "atexit"], timeout,
+             lambda: f"worker {pid}'s cleanup order; the file has {order.read_text()!r}")
     # logging.shutdown() is an atexit handler too, registered before the app's and so run
     # after it: the buffered lines reach the file a moment after the atexit file appears
     # (read at once, a loaded machine showed it still empty).
