@@ -199,8 +199,6 @@ class Handoff(Part):
             # the two (seen on a loaded machine: a TTIN just after a TTOU, whose new
             # generation had booted meanwhile), or the close is not finished in the kernel;
             # else someone else has it. A few more tries within RELEASE_GRACE tell them apart.
-            # They let it go, and the port is still taken: by someone else, or by a close
-            # the kernel has not finished. A few more tries tell the two apart.
             self.released_at = now if self.released_at is None else self.released_at
             if now - self.released_at >= RELEASE_GRACE:
                 self.resume_retry_at = None
