@@ -360,6 +360,17 @@ def closed_without_response(sock: socket.socket, timeout: float = 10.0) -> bool:
         return True
 
 
+def signal_pending(pid: int, signum: int) -> bool:
+    """Is ``signum`` pending (sent, blocked or the process stopped, not yet delivered) for the
+    process? (Linux: /proc's ShdPnd, where bit N-1 is signal N)"""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+            fields = dict(line.split(":", 1) for line in fh if ":" in line)
+    except OSError:
+        return False
+    return bool(int(fields["ShdPnd"].strip(), 16) >> (signum - 1) & 1)
+
+
 def refused(port: int) -> bool:
     """Is a new connection to this port refused? A stopping server drops new SYNs until its
     port closes: a connect that times out is not refused yet (False: ask again)."""

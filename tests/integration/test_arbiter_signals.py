@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from tests.harness import Server, get, read_response, send_get, wait_for, worker_set
+from tests.harness import (Server, get, read_response, send_get, signal_pending, wait_for,
+                           worker_set)
 from tests.load import Load
 
 APP = "tests.apps.reload:app"
@@ -59,17 +60,7 @@ def usr2_then(server: Server, signum: int, execs: int) -> bool:
     server.signal(signal.SIGUSR2)
     wait_count(server, EXEC_LINE, execs, interval=0.002)
     server.signal(signum)
-    return pending(server.pid, signum)
-
-
-def pending(pid: int, signum: int) -> bool:
-    """Is ``signum`` pending (sent, blocked, not yet delivered) for the process? (Linux)"""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
-            fields = dict(line.split(":", 1) for line in fh if ":" in line)
-    except OSError:
-        return False
-    return bool(int(fields["ShdPnd"].strip(), 16) >> (signum - 1) & 1)
+    return signal_pending(server.pid, signum)
 
 
 def messages(server: Server) -> list[str]:

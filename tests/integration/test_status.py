@@ -33,7 +33,8 @@ import forkserve
 from forkserve.control import request
 from forkserve.status import HEAD_TIMEOUT, MAX_CLIENTS
 from tests.harness import (ROOT, Response, Server, get, open_fds, parse_head, read_response,
-                           refused, send_get, usr2_with_its_check_held, wait_for, worker_set)
+                           refused, send_get, signal_pending, usr2_with_its_check_held, wait_for,
+                           worker_set)
 
 STATUS = ("--status-bind", "127.0.0.1:0")
 USAGE = 2
@@ -871,14 +872,6 @@ def test_status_and_metrics_do_not_wait_for_a_worker_stuck_in_c(server_factory: 
     assert errors(server) == [], server.log_text()
 
 
-def pending_signals(pid: int) -> int:
-    """The process-wide pending signal mask (/proc's ShdPnd): bit N-1 is signal N."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("ShdPnd:"):
-            return int(line.split()[1], 16)
-    raise AssertionError(f"no ShdPnd in /proc/{pid}/status")
-
-
 def test_status_waiting_for_numbers_is_answered_when_the_control_socket_refreshed_them(
         server_factory: Any, ctl_dir: Path) -> None:
     """A /status waits for the workers' numbers; a control-socket status that comes meanwhile
@@ -890,12 +883,11 @@ def test_status_waiting_for_numbers_is_answered_when_the_control_socket_refreshe
     server = server_factory(*STATUS, "--control-socket", str(path), workers=1).wait_ready()
     wait_for(path.exists, 5, f"the control socket {path}")
     (worker,) = worker_set(server, 1)
-    winch = 1 << (signal.SIGWINCH - 1)
     os.kill(worker, signal.SIGSTOP)
     try:
         with socket.create_connection(("127.0.0.1", server.status_port), timeout=10) as sock:
             sock.sendall(b"GET /status HTTP/1.1\r\nHost: status\r\n\r\n")
-            wait_for(lambda: pending_signals(worker) & winch, 10,
+            wait_for(lambda: signal_pending(worker, signal.SIGWINCH), 10,
                      "the arbiter to ask the worker for its numbers")
             answer, _ = request(str(path), "status", timeout=10)
             assert answer["ok"] and answer["workers"][0]["pid"] == worker, answer
