@@ -73,7 +73,7 @@ class Connection:
                  "idle_since",
                  "output_ended", "trusted", "peer", "_proxy", "_ssl", "_handshaking",
                  "_blocked_read", "_blocked_write", "_broken", "head_began", "_refusal",
-                 "defer_writes", "unsent", "park", "taken", "read_size")
+                 "defer_writes", "unsent", "park", "taken", "read_size", "io")
 
     def __init__(self, sock: socket.socket, remote: tuple[str, str], limits: Limits,
                  io_timeout: float, should_close: Callable[[], bool] | None = None,
@@ -83,6 +83,9 @@ class Connection:
                  defer_writes: bool = False) -> None:
         sock.setblocking(False)
         self.sock = sock
+        # What the hot path's recv and send call: the socket itself here; a gevent
+        # connection's plain socket underneath gevent's (see GreenConnection).
+        self.io: Any = sock
         self.fd = sock.fileno()
         self.remote = remote
         self.parser = RequestParser(limits)
@@ -287,7 +290,7 @@ class Connection:
             return False
         while True:
             try:
-                data = self.sock.recv(self.read_size)
+                data = self.io.recv(self.read_size)
             except self._blocked_read:
                 self._wait(select.POLLIN, deadline)
                 continue
@@ -505,7 +508,7 @@ class Connection:
     # -- writing -------------------------------------------------------------------------
     def send(self, data: bytes) -> None:
         try:
-            sent = self.sock.send(data)
+            sent = self.io.send(data)
         except self._blocked_write:
             sent = 0
         except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
@@ -518,7 +521,7 @@ class Connection:
         deadline = time.monotonic() + self.io_timeout
         while view:
             try:
-                sent = self.sock.send(view)
+                sent = self.io.send(view)
             except self._blocked_write:
                 self._wait_writable(deadline)
                 deadline = time.monotonic() + self.io_timeout

@@ -69,6 +69,14 @@ class GreenConnection(Connection):
     _hub: Any  # gevent's hub and Waiter, looked up at the first wait (see _green_wait)
     _waiter_class: Any
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self._ssl is None:
+            # The hot path's recv and send on the plain socket under gevent's: gevent's
+            # wrapper (a Python frame that re-raises EAGAIN, its own wait on a blocking
+            # socket) does nothing for a non-blocking socket whose waits are ours (_wait).
+            self.io = self.sock._sock  # type: ignore[attr-defined]
+
     def _wait(self, flag: int, deadline: float) -> None:
         self.waiting = True
         try:
