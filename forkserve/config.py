@@ -480,7 +480,7 @@ SETTINGS: tuple[Setting, ...] = (
             flags=("-w", "--workers"), metavar="N"),
     Setting("worker_class", _worker_class, "sync",
             "worker type: sync (one connection at a time), thread (a pool of --threads request "
-            "threads) or gevent (a greenlet per connection; pip install 'forkserve[gevent]'); "
+            "threads) or gevent (greenlets, many connections each; pip install 'forkserve[gevent]'); "
             "--threads N > 1 alone chooses thread, as gunicorn does; gunicorn's gthread and "
             "worker class paths are understood",
             flags=("-k", "--worker-class"), metavar="CLASS"),

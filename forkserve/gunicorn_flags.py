@@ -166,8 +166,8 @@ def worker_class(value: str) -> str:
     if name in WORKER_CLASSES:
         return WORKER_CLASSES[name]
     if "eventlet" in name:
-        raise ValueError(f"forkserve has no eventlet worker: use -k gevent (a greenlet per "
-                         f"connection) or -k thread; {_OFFERED}")
+        raise ValueError(f"forkserve has no eventlet worker: use -k gevent (greenlets, "
+                         f"many connections each) or -k thread; {_OFFERED}")
     if "tornado" in name:
         raise ValueError(f"forkserve has no tornado worker: it serves WSGI applications (a "
                          f"Tornado application runs on Tornado's own server); {_OFFERED}")

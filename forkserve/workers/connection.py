@@ -218,15 +218,6 @@ class Connection:
         except OSError:
             return  # the client is gone already
 
-    def await_request(self, deadline: float) -> None:
-        """Between requests, in the connection's own greenlet (gevent worker): until the
-        client sends (Timeout; Abandoned at a stop, past its grace: see cut_off)."""
-        self.phase = AWAITING
-        try:
-            self._wait(select.POLLIN, deadline)
-        finally:
-            self.phase = IDLE
-
     # -- waiting -------------------------------------------------------------------------
     def _wait(self, flag: int, deadline: float) -> None:
         poller = self._poll

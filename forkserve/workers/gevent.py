@@ -1,5 +1,16 @@
-"""The gevent worker: one greenlet per connection, up to ``--worker-connections`` (and
-``--max-connections``) at once, with the request pipeline and drain all workers share.
+"""The gevent worker: up to ``--worker-connections`` (and ``--max-connections``) connections
+at once, each served in a greenlet while it has something to serve, with the request pipeline
+and drain all workers share.
+
+A kept-alive connection waits for its next request with no greenlet: an io watcher and a timer
+on gevent's loop (GreenConnection.watch_idle). The clients that sent more in one turn of the
+loop go into a queue, and one greenlet (a runner) serves them one after the other. Under load
+that is one switch into a greenlet and back for a whole turn of ready clients, not one per
+request, and no Waiter, timer or watcher made for each wait (callgrind, one worker, 20
+keep-alive clients: 149k instructions a request with a greenlet waiting on each connection,
+136k so). A request that blocks
+(the app sleeps, or waits on an upstream, or on its client) holds its runner as a
+connection's greenlet would: the next ready client wakes a parked runner or a new one.
 
 Owns: monkey-patching (first thing after fork, before the application is imported: an app
 that imported ``ssl`` or ``threading`` unpatched is gunicorn's classic gevent bug), the
@@ -13,7 +24,7 @@ Differences from the sync worker, all following from many connections per proces
 - keep-alive is never given up for fairness (nobody waits behind an idle connection); it ends
   only at ``--keepalive`` or at the drain;
 - signals arrive through ``gevent.signal_handler`` (a greenlet per signal), so a stop, cancel
-  or hard stop acts on each connection's greenlet: ``kill(RequestCancelled)`` interrupts any
+  or hard stop acts on each request's greenlet: a thrown ``RequestCancelled`` interrupts any
   cooperative wait — a sleep, a socket read, an upstream HTTP call;
 - the background pool's threads are greenlets (``threading`` is patched).
 """
@@ -27,6 +38,7 @@ import socket
 import sys
 import time
 import warnings
+from collections import deque
 from dataclasses import replace
 from select import POLLOUT
 from typing import Any
@@ -35,9 +47,16 @@ from forkserve.context import RequestCancelled, RequestContext, RequestTimedOut
 from forkserve.sockets import Listener
 from forkserve.workers.base import HardStop, WorkerEvent, WorkerState, drain_pipe
 from forkserve.workers.connection import Abandoned, Connection
-from forkserve.workers.pipeline import Pipeline, stop_grace_end
+from forkserve.workers.pipeline import Ending, Pipeline, stop_grace_end
+from forkserve.wsgi import ClientGone
 
 RUNNING = WorkerState.RUNNING
+CANCELLED = WorkerState.CANCELLED
+HALTING = WorkerState.HALTING
+# Runners (see the module's docstring) that wait for the next ready client, parked; one more
+# ends when its queue is empty. Under load the few that are parked take every turn of the loop;
+# a burst of blocking requests spawns more, and they end as it passes.
+PARKED_RUNNERS = 16
 
 # What patch_all and this worker import, less the application, imported by the arbiter before
 # it forks (share_imports). Each defines classes and loads libev, greenlet or OpenSSL (whose
@@ -64,18 +83,60 @@ class GreenConnection(Connection):
     every call (a sixth of a keep-alive request's CPU time). The same contract as
     Connection._wait_loop: the cutoff, Timeout, Abandoned, ``interrupted``."""
 
-    __slots__ = ("_watchers", "_hub", "_waiter_class")
+    __slots__ = ("_watchers", "_hub", "_waiter_class", "_idle_io", "_idle_timer",
+                 "_cutoff_timer", "listener")
     _watchers: dict[tuple[int, int], Any]  # (fd, events) -> io watcher, made at first use
     _hub: Any  # gevent's hub and Waiter, looked up at the first wait (see _green_wait)
     _waiter_class: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # watch_idle's: the client's next request and the keep-alive timeout (made at the
+        # first idle, then restarted: nothing is allocated for a wait between requests), and
+        # a stop's shorter limit on it.
+        self._idle_io: Any = None
+        self._idle_timer: Any = None
+        self._cutoff_timer: Any = None
+        self.listener: Listener | None = None  # the one it came from (its environ's base)
         if self._ssl is None:
             # The hot path's recv and send on the plain socket under gevent's: gevent's
             # wrapper (a Python frame that re-raises EAGAIN, its own wait on a blocking
             # socket) does nothing for a non-blocking socket whose waits are ours (_wait).
             self.io = self.sock._sock  # type: ignore[attr-defined]
+
+    def watch_idle(self, loop: Any, keepalive: float, callback: Any) -> None:
+        """Kept alive between requests, with no greenlet waiting: ``callback(self, False)``
+        runs in the hub when the client sends, ``callback(self, True)`` after ``keepalive``
+        seconds (or sooner: cut_idle). Either ends the watch (see unwatch_idle)."""
+        io = self._idle_io
+        if io is None:
+            io = self._idle_io = loop.io(self.fd, 1)  # libev's READ
+            # Repeating every keepalive seconds: again() (re)starts it that far from now,
+            # with no new timer. (From the loop's time: this turn's start, a few ms at most.)
+            self._idle_timer = loop.timer(keepalive, keepalive)
+        io.start(callback, self, False)
+        self._idle_timer.again(callback, self, True, update=False)
+
+    @property
+    def idle_watched(self) -> bool:
+        return self._idle_io is not None and self._idle_io.active
+
+    def cut_idle(self, loop: Any, until: float) -> None:
+        """A stop: the idle watch ends by ``until`` (monotonic time), if it is on."""
+        if not self.idle_watched:
+            return
+        if self._cutoff_timer is not None:
+            self._cutoff_timer.close()
+        self._cutoff_timer = loop.timer(max(until - time.monotonic(), 0.0))
+        self._cutoff_timer.start(self._idle_io.callback, self, True)
+
+    def unwatch_idle(self) -> None:
+        """The idle watch ends (the client sent, its time is up, or the worker closes it)."""
+        self._idle_io.stop()
+        self._idle_timer.stop()
+        if self._cutoff_timer is not None:
+            self._cutoff_timer.close()
+            self._cutoff_timer = None
 
     def _wait(self, flag: int, deadline: float) -> None:
         self.waiting = True
@@ -198,11 +259,20 @@ class GeventWorker(Pipeline):
 
     def serve(self) -> None:
         gevent = self._gevent
-        from gevent.pool import Pool
+        from gevent.event import Event
 
         self.setup_http()
-        limit = min(self.worker_connections, self.max_connections or self.worker_connections)
-        self.conn_pool = Pool(limit)
+        self.hub = gevent.get_hub()
+        self.green_loop = self.hub.loop
+        # Connections open (accepted, not yet released) against the limit; slot_freed is set
+        # at each release, for an acceptor waiting for a free slot and for the end of serve().
+        self.limit = min(self.worker_connections, self.max_connections or self.worker_connections)
+        self.open_slots = 0
+        self.slot_freed = Event()
+        # Kept-alive clients that sent more (or whose idle watch is up: True), in order.
+        self.ready: deque[tuple[GreenConnection, bool]] = deque()
+        self.parked: list[Any] = []  # runners waiting for ready clients
+        self.wake_pending = False  # _wake_runner is scheduled for the loop's next turn
         self.wakeable: set[Any] = set()  # the acceptors inside their loops (_throw_wake)
         self.acceptors = [gevent.spawn(self._acceptor, listener) for listener in self.listeners]
         ticker = gevent.spawn(self._ticker)
@@ -216,7 +286,9 @@ class GeventWorker(Pipeline):
                 # retires it once a resumed generation serves. Returning would be an exit
                 # the arbiter did not ask for: a "crash", replaced, over and over.
                 self.told_to_stop.wait()
-            self.conn_pool.join()
+            while self.open_slots:  # every connection served to its end
+                self.slot_freed.clear()
+                self.slot_freed.wait()
         finally:
             ticker.kill(block=False)
             watcher.kill(block=False)
@@ -241,7 +313,9 @@ class GeventWorker(Pipeline):
         try:
             while self.state is RUNNING and not self.pause_requested:
                 try:
-                    self.conn_pool.wait_available()
+                    while self.open_slots >= self.limit:
+                        self.slot_freed.clear()
+                        self.slot_freed.wait()
                     if self.state is not RUNNING:
                         break
                     wait_read(listener.fd)
@@ -268,8 +342,13 @@ class GeventWorker(Pipeline):
             accepted = self.accept_from(listener)
             if accepted is None:
                 return
-            self.conn_pool.spawn(self._serve_connection, *accepted, listener)
-            if self.conn_pool.full() and self.state is RUNNING:
+            # (Stopping, the queue is taken one free slot at a time.)
+            while self.open_slots >= self.limit:
+                self.slot_freed.clear()
+                self.slot_freed.wait()
+            self.open_slots += 1
+            self._gevent.spawn(self._serve_connection, *accepted, listener)
+            if self.open_slots >= self.limit and self.state is RUNNING:
                 return  # --worker-connections reached: the rest wait in the backlog
             # One client at a time, its first request served before the next accept: taking
             # the whole queue at once, the first worker to wake took most of a burst of
@@ -281,30 +360,134 @@ class GeventWorker(Pipeline):
                 sleep(0)
 
     def _serve_connection(self, sock: socket.socket, addr: Any, listener: Listener) -> None:
-        conn = self.open_connection(sock, addr)
-        conn.owner = self._gevent.getcurrent()
+        """A new client, in a greenlet of its own: its first requests, then (as a runner)
+        whatever other clients are ready."""
+        try:
+            conn: GreenConnection = self.open_connection(sock, addr)  # type: ignore[assignment]
+        except BaseException:
+            sock.close()
+            self._free_slot()
+            raise
+        conn.listener = listener
         self.admit(conn)
-        try:
-            self.keep_serving(conn, listener)
-        except (HardStop, Abandoned, RequestCancelled):
-            return  # thrown in by a stop, a drain or a cancel: the connection is already closed
+        self._serve_turn(conn, self._gevent.getcurrent())
+        self._run_ready()
 
-    def wait_idle(self, conn: Connection) -> bool:
-        """Between requests: wait for the client in this greenlet, as for a request's first
-        byte (so a stop lets a request that arrives within the close grace in, see
-        stop_cutoff)."""
-        keepalive = self.settings.keepalive
-        state = self.state  # (a local: the state changes under this greenlet's waits)
-        if keepalive <= 0 or state is WorkerState.CANCELLED or state is WorkerState.HALTING:
-            return False
+    def _serve_turn(self, conn: GreenConnection, owner: Any) -> None:
+        """Serve what the client sent (pipelined requests too) in this greenlet; then keep
+        the connection alive with no greenlet (_keep_idle), or end it."""
+        conn.owner = owner
+        kept = linger = False
         try:
-            if state is not RUNNING:
-                conn.cut_off(stop_grace_end(conn, self.stop_began()))
-            conn.await_request(conn.idle_since + keepalive)
-            return True
-        except Exception:  # Timeout, or Abandoned at the drain: the connection ends, unless
-            # its next request is already here (then: answered, with Connection: close).
-            return self.state is not WorkerState.CANCELLED and conn.readable_now()
+            ending = self.serve_connection(conn, self.environs[id(conn.listener)])
+            linger = ending is Ending.LINGER
+            kept = ending is Ending.IDLE and self._keep_idle(conn)
+        except (ClientGone, HardStop, Abandoned, RequestCancelled):
+            # The client left, or a stop, a drain or a cancel was thrown in: it ends here.
+            linger = False
+        finally:
+            if not kept:
+                self.end_connection(conn, linger)
+
+    def _keep_idle(self, conn: GreenConnection) -> bool:
+        """Between requests: watch for the client's next request until the keep-alive timeout
+        (a stopping worker: until the close grace, see stop_grace_end, so that a request that
+        is on its way is still answered). False: close it now."""
+        keepalive = self.settings.keepalive
+        state = self.state
+        if keepalive <= 0 or state is CANCELLED or state is HALTING:
+            return False
+        conn.owner = None
+        conn.watch_idle(self.green_loop, keepalive, self._idle_ended)
+        if state is not RUNNING:
+            conn.cut_idle(self.green_loop, stop_grace_end(conn, self.stop_began()))
+        return True
+
+    def _idle_ended(self, conn: GreenConnection, expired: bool) -> None:
+        # -- runs in the hub: the client sent more (or its idle time is up). Queued for the
+        # runners, woken once the loop has run every callback of this turn.
+        conn.unwatch_idle()
+        self.ready.append((conn, expired))
+        if not self.wake_pending:
+            self.wake_pending = True
+            self.green_loop.run_callback(self._wake_runner)
+
+    def _wake_runner(self) -> None:
+        # -- runs in the hub
+        self.wake_pending = False
+        if not self.ready:
+            return  # a runner that was not waiting took them
+        if self.parked:
+            self.parked.pop().switch()
+        else:
+            self._gevent.spawn(self._run_ready)
+
+    def _run_ready(self) -> None:
+        """A runner: serve the ready clients, in order, then wait for more (parked), or end
+        when enough runners are parked already."""
+        me = self._gevent.getcurrent()
+        ready, parked, hub = self.ready, self.parked, self.hub
+        while True:
+            while ready:
+                conn, expired = ready.popleft()
+                if ready and not self.wake_pending:
+                    # Should this one block (its app waits), the loop's next turn gives the
+                    # rest to another runner (_wake_runner; if none blocks, the queue is
+                    # empty by then and it does nothing).
+                    self.wake_pending = True
+                    self.green_loop.run_callback(self._wake_runner)
+                if (expired or self.state is HALTING) and not self._came_in_time(conn):
+                    continue
+                self._serve_turn(conn, me)
+            if len(parked) >= PARKED_RUNNERS:
+                return
+            parked.append(me)
+            try:
+                hub.switch()
+            except (HardStop, RequestCancelled, RequestTimedOut, Abandoned):
+                # Thrown in for a request this runner finished before it landed.
+                if me in parked:
+                    parked.remove(me)
+
+    def _came_in_time(self, conn: GreenConnection) -> bool:
+        """A kept-alive connection's wait is up, or the worker halts: True when its next
+        request is here all the same (served, with Connection: close if stopping); else it
+        is closed, or watched again if its time is not up after all."""
+        state = self.state
+        if state is not HALTING and state is not CANCELLED:
+            if conn.readable_now():
+                return True
+            keepalive = self.settings.keepalive
+            until = conn.idle_since + keepalive
+            if state is RUNNING and time.monotonic() < until:
+                # The timer ran from the loop's time, which was behind: a request that held
+                # the loop (computing, not waiting) made this turn long. Not up yet.
+                conn.watch_idle(self.green_loop, keepalive, self._idle_ended)
+                conn.cut_idle(self.green_loop, until)
+                return False
+        self.end_connection(conn, False)
+        return False
+
+    def _kept_alive(self) -> list[GreenConnection]:
+        """The connections waiting for their next request (watch_idle)."""
+        return [conn for conn in self.connections
+                if isinstance(conn, GreenConnection) and conn.idle_watched]
+
+    def _close_idle(self) -> None:
+        """The cancel or a hard stop: the kept-alive connections close now."""
+        for conn in self._kept_alive():
+            conn.unwatch_idle()
+            self.end_connection(conn, False)
+
+    def release(self, conn: Connection, linger: bool = False) -> bool:
+        released = super().release(conn, linger)
+        if released:
+            self._free_slot()
+        return released
+
+    def _free_slot(self) -> None:
+        self.open_slots -= 1
+        self.slot_freed.set()
 
     def _ticker(self) -> None:
         """Heartbeats and telemetry writes, once per heartbeat interval."""
@@ -375,8 +558,12 @@ class GeventWorker(Pipeline):
         self._enter(WorkerEvent.STOP)
         self.drain_reported = self.counters.draining()
         self._wake_acceptors()
-        # Every wait on a client wakes and applies the stop's graces itself (Pipeline.interrupted).
+        # Every wait on a client wakes and applies the stop's graces itself (Pipeline.interrupted);
+        # a kept-alive connection waits no longer than its close grace.
         self.signal_stop()
+        began = self.stop_began()
+        for conn in self._kept_alive():
+            conn.cut_idle(self.green_loop, stop_grace_end(conn, began))
         self.told_to_stop.set()
 
     def retire(self, reason: str, description: str) -> None:
@@ -402,21 +589,36 @@ class GeventWorker(Pipeline):
         self._wake_acceptors()
         self.signal_stop(cancel=True)  # waits for a request head end (Pipeline.interrupted)
         self.told_to_stop.set()
+        self._close_idle()
+        loop = self.green_loop
         for conn in list(self.connections):
             if conn.in_request or conn.released:
-                self._cancel(conn)
+                if conn.taken:
+                    conn.cut()  # a WebSocket: the app's reader greenlet and the client see it end
+                loop.run_callback(self._throw_cancel, conn, conn.owner)
 
-    def _cancel(self, conn: Connection) -> None:
-        if conn.taken:
-            conn.cut()  # a WebSocket: the app's reader greenlet and the client see it end
-        conn.owner.kill(RequestCancelled("cancelled: the drain timeout passed"), block=False)
+    def _throw_cancel(self, conn: Connection, owner: Any) -> None:
+        # -- runs in the hub, a turn after the cancel (as Greenlet.kill's throw would), and
+        # only into a runner still serving that request: by then it may serve another.
+        if owner is None or owner.dead or conn.owner is not owner or not (
+                conn.in_request or conn.released):
+            return
+        try:
+            owner.throw(RequestCancelled("cancelled: the drain timeout passed"))
+        except BaseException:  # noqa: BLE001 - as gevent's own kill: the hub reports it
+            owner.parent.handle_error(owner, *sys.exc_info())
 
     def _g_quit(self) -> None:
         self._enter(WorkerEvent.HALT)
         self._wake_acceptors()
         self.told_to_stop.set()
-        for conn in list(self.connections):
-            conn.owner.kill(HardStop("hard stop requested"), block=False)
+        self._close_idle()
+        while self.ready:  # (no runner serves them now)
+            self.end_connection(self.ready.popleft()[0], False)
+        # Each greenlet serving a connection once (a runner serves one at a time; a second
+        # throw would land in whatever it does next).
+        for owner in {conn.owner for conn in self.connections if conn.owner is not None}:
+            owner.kill(HardStop("hard stop requested"), block=False)
 
     def _on_abort(self, signum: int, frame: Any) -> None:
         # -- runs in a signal handler, in whichever greenlet ran (see _post_fork).

@@ -8,7 +8,7 @@ deadline), and the stop's policy for a wait on a client (how long a stopping wor
 waits for a request, and when a wait is given up).
 
 Not here: who waits on what. ``sync.py`` (one connection at a time), ``thread.py`` (a pool of
-request threads fed by a poll loop) and ``gevent.py`` (a greenlet per connection) each
+request threads fed by a poll loop) and ``gevent.py`` (greenlets on gevent's loop) each
 subclass ``Pipeline`` and hold only their concurrency model. A drain fix made here holds for
 all three.
 

@@ -236,6 +236,41 @@ def test_twenty_gated_requests_in_one_worker_while_a_fast_one_is_answered(
     assert sorted(a[0] for a in answers.values()) == [200] * 20, answers
 
 
+def test_twenty_kept_alive_clients_that_block_at_once_are_served_at_once(
+        server_factory: Any, gates: Any, sockets: list[socket.socket]) -> None:
+    """Kept-alive connections wait between requests with no greenlet; the clients that send in
+    one turn of the loop are served by one greenlet, one after the other. Twenty of them now
+    send a request that blocks, in the same moment: each must get a greenlet of its own at
+    once (not wait behind the first that blocked), a fast request on a 21st kept-alive
+    connection is answered meanwhile, and every connection serves on afterwards."""
+    s = gevent_server(server_factory)
+    held = [gates(f"g{i}") for i in range(20)]
+    for _ in range(21):
+        sock = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+        sockets.append(sock)
+        sock.sendall(request_bytes("/fast"))
+    first = read_all_responses(sockets, 10)
+    assert sorted(a[0] for a in first.values()) == [200] * 21, first
+    for sock, gate in zip(sockets, held):
+        sock.sendall(request_bytes(target("/held", fifo=gate.path, size=3)))
+    for gate in held:
+        gate.wait_entered()  # twenty requests inside the app at once, all from kept-alive clients
+    started = time.monotonic()
+    sockets[20].sendall(request_bytes("/fast"))
+    fast = read_all_responses(sockets[20:], 5)
+    elapsed = time.monotonic() - started
+    assert [a[0] for a in fast.values()] == [200], fast
+    assert elapsed < 0.5, f"a fast request took {elapsed * 1000:.0f} ms while 20 were held"
+    for gate in held:
+        gate.release()
+    released = read_all_responses(sockets[:20], 10)
+    assert sorted(a[0] for a in released.values()) == [200] * 20, released
+    for sock in sockets:
+        sock.sendall(request_bytes("/fast"))
+    again = read_all_responses(sockets, 10)
+    assert sorted(a[0] for a in again.values()) == [200] * 21, again
+
+
 def test_twenty_sleeping_requests_complete_concurrently(server_factory: Any,
                                                         sockets: list[socket.socket]) -> None:
     s = gevent_server(server_factory)

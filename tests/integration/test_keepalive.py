@@ -14,6 +14,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
@@ -191,3 +192,33 @@ def test_keepalive_clients_never_wait_for_each_other(server_factory: type[Server
     elapsed = time.monotonic() - started
     assert results == [[200] * per_client] * clients
     assert elapsed < 4.0, f"{clients} keep-alive clients took {elapsed:.2f}s"
+
+
+# -- 12. A long computation does not cut the next keep-alive wait short ----------------------
+
+@pytest.mark.parametrize("worker_class", ["sync", "thread", "gevent"])
+def test_keepalive_counts_from_the_response_after_a_long_computation(
+        server_factory: type[Server], worker_class: str, tmp_path: Path) -> None:
+    """A request that computes for longer than --keepalive (never yielding: a gevent worker's
+    loop is held the whole time), then one pipelined behind it: the connection is kept alive
+    for --keepalive from the second response, and its next request, sent at once, is
+    answered. (A gevent keep-alive timer started from the loop's time at the start of that
+    long turn once fired at once and closed the connection under the client.)"""
+    server = server_factory("-k", worker_class, "--keepalive", "1", app="tests.apps.limits:app",
+                            workers=1).wait_ready()
+    out = tmp_path / "out"
+    with RawClient.connect(server.port, timeout=10) as client:
+        client.send(get(f"/slow?how=busy&seconds=1.5&out={out}") + get("/"))
+        assert client.read_response().body == b"finished: no timeout"
+        second = client.read_response()
+        assert second.status == 200 and not second.has_token("Connection", "close")
+        # The connection stays open well within --keepalive (a client that comes back a moment
+        # later finds it): nothing arrives, not even the EOF, for half of it.
+        client.sock.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            client.sock.recv(1)
+        client.sock.settimeout(10)
+        for _ in range(3):
+            client.send(get("/"))
+            response = client.read_response()
+            assert response.status == 200, response

@@ -122,29 +122,6 @@ def test_a_stop_cutoff_ends_only_the_wait_for_a_first_byte(pair: Any) -> None:
         conn.recv(soon())
 
 
-def test_await_request_is_awaiting_only_while_it_waits(pair: Any) -> None:
-    conn, client = pair()
-    seen: list[Phase] = []
-    r, w = os.pipe()
-    try:
-        def interrupted(c: Connection) -> bool:
-            seen.append(c.phase)
-            return True
-        conn.interrupt_on(r)
-        conn.interrupted = interrupted
-        os.write(w, b"x")
-        with pytest.raises(Abandoned):
-            conn.await_request(soon(1.0))
-        assert seen == [Phase.AWAITING] and conn.phase is Phase.IDLE
-        client.sendall(b"G")
-        conn.interrupt_on(-1)
-        conn.await_request(soon(1.0))  # returns: the client sent
-        assert conn.phase is Phase.IDLE
-    finally:
-        os.close(r)
-        os.close(w)
-
-
 def test_release_ends_the_output_for_the_client(pair: Any) -> None:
     conn, client = pair()
     conn.release()
