@@ -8,9 +8,9 @@ loop go into a queue, and one greenlet (a runner) serves them one after the othe
 that is one switch into a greenlet and back for a whole turn of ready clients, not one per
 request, and no Waiter, timer or watcher made for each wait (callgrind, one worker, 20
 keep-alive clients: 149k instructions a request with a greenlet waiting on each connection,
-136k so). A request that blocks
-(the app sleeps, or waits on an upstream, or on its client) holds its runner as a
-connection's greenlet would: the next ready client wakes a parked runner or a new one.
+136k so). A request that blocks (the app sleeps, or waits on an upstream, or on its client)
+holds its runner as a connection's greenlet would: the rest of the queue goes to a parked
+runner or a new one.
 
 Owns: monkey-patching (first thing after fork, before the application is imported: an app
 that imported ``ssl`` or ``threading`` unpatched is gunicorn's classic gevent bug), the
@@ -200,6 +200,15 @@ class GreenConnection(Connection):
 _CLIENT, _INTERRUPT, _TIMER = object(), object(), object()  # (what woke a GreenConnection)
 
 
+def _throw(greenlet: Any, exc: BaseException | type[BaseException]) -> None:
+    """-- runs in the hub: ``exc`` raised in ``greenlet`` where it waits, as gevent's own kill
+    does it; what escapes the greenlet, the hub reports."""
+    try:
+        greenlet.throw(exc)
+    except BaseException:  # noqa: BLE001 - as gevent's own kill: the hub reports it
+        greenlet.parent.handle_error(greenlet, *sys.exc_info())
+
+
 class GeventWorker(Pipeline):
     multithread = False  # greenlets: wsgi.multithread stays False, as gunicorn's gevent worker
     # Waits on a client watch the stop pipe, written once when the worker stops: the wait
@@ -313,9 +322,7 @@ class GeventWorker(Pipeline):
         try:
             while self.state is RUNNING and not self.pause_requested:
                 try:
-                    while self.open_slots >= self.limit:
-                        self.slot_freed.clear()
-                        self.slot_freed.wait()
+                    self._wait_for_slot()
                     if self.state is not RUNNING:
                         break
                     wait_read(listener.fd)
@@ -343,9 +350,7 @@ class GeventWorker(Pipeline):
             if accepted is None:
                 return
             # (Stopping, the queue is taken one free slot at a time.)
-            while self.open_slots >= self.limit:
-                self.slot_freed.clear()
-                self.slot_freed.wait()
+            self._wait_for_slot()
             self.open_slots += 1
             self._gevent.spawn(self._serve_connection, *accepted, listener)
             if self.open_slots >= self.limit and self.state is RUNNING:
@@ -485,6 +490,12 @@ class GeventWorker(Pipeline):
             self._free_slot()
         return released
 
+    def _wait_for_slot(self) -> None:
+        """Until fewer than the limit of connections are open."""
+        while self.open_slots >= self.limit:
+            self.slot_freed.clear()
+            self.slot_freed.wait()
+
     def _free_slot(self) -> None:
         self.open_slots -= 1
         self.slot_freed.set()
@@ -516,10 +527,7 @@ class GeventWorker(Pipeline):
         # -- runs in the hub
         if context not in self.fired or owner.dead:
             return
-        try:
-            owner.throw(RequestTimedOut())
-        except BaseException:  # noqa: BLE001 - as gevent's own kill: the hub reports it
-            owner.parent.handle_error(owner, *sys.exc_info())
+        _throw(owner, RequestTimedOut())
 
     def _watch_arbiter(self) -> None:
         from gevent.socket import wait_read
@@ -549,10 +557,7 @@ class GeventWorker(Pipeline):
         # ("failed with _Wake" on stderr) and cut the drain short.
         if acceptor not in self.wakeable:
             return
-        try:
-            acceptor.throw(_Wake)
-        except BaseException:  # noqa: BLE001 - as gevent's own kill: the hub reports it
-            acceptor.parent.handle_error(acceptor, *sys.exc_info())
+        _throw(acceptor, _Wake)
 
     def _stop_gracefully(self) -> None:
         self._enter(WorkerEvent.STOP)
@@ -603,10 +608,7 @@ class GeventWorker(Pipeline):
         if owner is None or owner.dead or conn.owner is not owner or not (
                 conn.in_request or conn.released):
             return
-        try:
-            owner.throw(RequestCancelled("cancelled: the drain timeout passed"))
-        except BaseException:  # noqa: BLE001 - as gevent's own kill: the hub reports it
-            owner.parent.handle_error(owner, *sys.exc_info())
+        _throw(owner, RequestCancelled("cancelled: the drain timeout passed"))
 
     def _g_quit(self) -> None:
         self._enter(WorkerEvent.HALT)

@@ -409,7 +409,7 @@ class Pipeline(Worker):
         return True
 
     def keep_serving(self, conn: Connection, listener: Listener) -> None:
-        """A connection served in one place to its end (sync and gevent workers): its
+        """A connection served in one place to its end (the sync worker): its
         requests, and between them the worker's own ``wait_idle``; then it is released,
         or, with a response the client has not taken yet, left to the worker's loop
         (``write_later``)."""
