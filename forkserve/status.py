@@ -33,6 +33,9 @@ HEAD_TIMEOUT = 2.0  # seconds a new connection has to send its request head
 CLIENT_TIMEOUT = 5.0  # seconds from the request to the end of the answer
 ACCEPT_PAUSE = 0.5  # seconds the listener rests after accept() ran out of descriptors
 STATUS_BACKLOG = 128
+# Seconds, at the exit, for the clients already accepted to send their request and take its
+# answer (see StatusServer.close); a probe does both at once, so this is only a bound.
+FINAL_GRACE = 1.0
 POLLIN, POLLOUT = select.POLLIN, select.POLLOUT
 
 # status, content type, body, and (optionally) extra header (name, value) pairs
@@ -334,13 +337,29 @@ class StatusServer:
         sock.setblocking(False)
         self.reactor.add(sock.fileno(), POLLIN, self._on_listener)
 
-    def close(self) -> None:
-        for fd in list(self.clients):
-            self._drop(fd)
+    def close(self, grace: float = 0.0) -> None:
+        """At the exit: the listener closes, then the clients already accepted get up to
+        ``grace`` seconds to send their request and take its answer. Closed with its request
+        unread, a client is reset: a balancer's probe, accepted as this instance left the
+        port to a successor (or as it stopped), failed for no fault of its own. Requests that
+        wait on the workers' numbers are not answered (no more come)."""
         if self.sock.fileno() >= 0:
             if self.accept_paused_until is None and self.accepting:
                 self.reactor.remove(self.sock.fileno())
             self.sock.close()
+        deadline = time.monotonic() + grace
+        while True:
+            pending = [fd for fd in self.clients if fd not in self.waiting]
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                break
+            poller = select.poll()
+            for fd in pending:
+                poller.register(fd, select.POLLOUT if self.clients[fd].out else select.POLLIN)
+            for fd, events in poller.poll(left * 1000):
+                self._on_client(fd, events)
+        for fd in list(self.clients):
+            self._drop(fd)
 
 
 def _text(status: int, body: str) -> Answer:

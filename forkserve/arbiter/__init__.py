@@ -42,7 +42,7 @@ from forkserve.logs import Log
 from forkserve.reactor import Reactor
 from forkserve.capture import OutputCapture
 from forkserve.sockets import Listener
-from forkserve.status import StatusServer
+from forkserve.status import FINAL_GRACE, StatusServer
 from forkserve.workers import worker_class
 from forkserve.workers.base import WorkerSettings
 from forkserve.arbiter.codereload import CodeReload
@@ -185,10 +185,10 @@ class Arbiter(WorkerTable, Drain, Generations, Upgrade, Handoff, Observe, Comman
             self.capture.close()  # what the last workers wrote, before the closing line
         self.hooks.call("on_exit", self.log, self.server_info)
         self.log.info("Server stopped", exit_code=int(self.exit_code))
-        # Last: the status server answered through the whole drain. (The cli then removes
-        # the metrics directory.)
+        # Last: the status server answered through the whole drain, and answers the probes
+        # it accepted before it closed. (The cli then removes the metrics directory.)
         if self.status_server is not None:
-            self.status_server.close()
+            self.status_server.close(grace=FINAL_GRACE)
 
     # -- state -----------------------------------------------------------------------------
     # -- state -----------------------------------------------------------------------------

@@ -328,6 +328,31 @@ def test_readyz_fails_at_term_while_lameduck_still_serves(server_factory: Any) -
     assert refused(server.port) and refused(server.status_port)
 
 
+
+@pytest.mark.parametrize("worker_class", ["sync", "thread", "gevent"])
+def test_a_probe_accepted_before_the_exit_is_answered_not_reset(server_factory: Any,
+                                                                worker_class: str) -> None:
+    """A balancer's check in flight as the server exits (seen under load at an -sf
+    --reuse-port handoff: a probe accepted by the instance that left the port was reset when
+    its arbiter exited with the request unread): the status port closes, and the probe still
+    gets its answer."""
+    server = server_factory(*STATUS, "-k", worker_class).wait_ready()
+    port = server.status_port
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as held:
+        held.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\n")  # (its head's end comes later)
+        # Accepted now: the status server takes its queue in order, and a later connection
+        # is answered.
+        assert answer(server, "/healthz")["status"] == "alive"
+        server.signal(signal.SIGTERM)
+        wait_for(lambda: refused(port), 10, "the status port to close")
+        assert server.proc.poll() is None, "the arbiter did not wait for the probe it held"
+        held.sendall(b"\r\n")
+        data = read_to_close(held, 10)
+    status, _, body = parse_head(data)
+    assert status == 503, data  # (stopped: not ready, but answered)
+    assert json.loads(body)["ready"] is False
+    assert exit_code(server, 10) == 0
+
 # -- 4. the whole drain -------------------------------------------------------------------------
 
 def test_status_answers_through_the_drain_with_falling_counters(server_factory: Any, gates: Any,
