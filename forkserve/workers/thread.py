@@ -48,6 +48,8 @@ from forkserve.wsgi import ClientGone
 POLLIN = select.POLLIN
 EPOLLIN = select.EPOLLIN
 EPOLLOUT = select.EPOLLOUT
+# A connection waiting for its client: the entry disarms as it fires, while a thread has it.
+EPOLLIN_ONCE = select.EPOLLIN | select.EPOLLONESHOT
 RUNNING = WorkerState.RUNNING
 # Spare threads at most, each standing in for a request thread parked on a client that does
 # not take its streamed response (see park): beyond them, a parked request holds its thread.
@@ -100,10 +102,14 @@ class ThreadWorker(Pipeline):
         # epoll, not poll: a poll call hands the kernel every watched descriptor, and CPython
         # rebuilds that array after each register or unregister: both O(connections) on every
         # turn of a loop that changes the set per request (the loop's poll line was 60 % of its
-        # samples at c=50). An epoll wait costs what is ready. Every descriptor is
-        # unregistered before it is closed: a listener's is shared with the arbiter, and an
-        # epoll entry outlives a close while another descriptor refers to the same socket.
+        # samples at c=50). An epoll wait costs what is ready. A listener's descriptor is
+        # unregistered before it is closed: it is shared with the arbiter, and an epoll entry
+        # outlives a close while another descriptor refers to the same socket. A connection's
+        # entry is one-shot (see _watch): it disarms as it fires, so a request costs one
+        # epoll_ctl (re-arming it), not an unregister and a register (each a GIL hand-off),
+        # and one a thread closes is disarmed: nothing is left that could fire.
         self.poller = select.epoll()
+        self.in_epoll: set[int] = set()  # connections' descriptors with an entry (see _watch)
         self.listener_fds = {listener.fd: listener for listener in self.listeners}
         for fd in (self.wakeup_r, self.alive_fd, self.back_r):
             self.poller.register(fd, EPOLLIN)
@@ -260,7 +266,24 @@ class ThreadWorker(Pipeline):
         """The main thread watches ``conn`` until its client's request is ready (then a thread
         serves it) or ``deadline`` passes (then it is closed, or refused if it began)."""
         self._idle_until(conn, listener, deadline)
-        self.poller.register(conn.fd, EPOLLIN)
+        self._watch(conn.fd, EPOLLIN_ONCE)
+
+    def _watch(self, fd: int, events: int) -> None:
+        """Watch a connection's descriptor for ``events``: its entry changed where it has one
+        (disarmed since it fired, or watched for another event), else a new one."""
+        if fd not in self.in_epoll:
+            self.poller.register(fd, events)
+            self.in_epoll.add(fd)
+            return
+        try:
+            self.poller.modify(fd, events)
+        except FileNotFoundError:
+            # The entry went with a socket a thread closed since: this one is new.
+            self.poller.register(fd, events)
+
+    def _unwatch(self, fd: int) -> None:
+        self.poller.unregister(fd)
+        self.in_epoll.discard(fd)
 
     def _idle_until(self, conn: Connection, listener: Listener, deadline: float) -> None:
         """Watched until ``deadline`` (new, or a later bound for a head partly here)."""
@@ -275,9 +298,9 @@ class ThreadWorker(Pipeline):
         ready = self.gather(conn)
         if ready is False:
             self._idle_until(conn, listener, self.gathered_until(conn, deadline))
+            self._watch(fd, EPOLLIN_ONCE)  # (it disarmed as it fired)
             return
-        del self.idle[fd]
-        self.poller.unregister(fd)
+        del self.idle[fd]  # (its entry disarmed as it fired)
         if ready:
             self.work.put((conn, listener))
 
@@ -309,7 +332,7 @@ class ThreadWorker(Pipeline):
             self.end_lingering()
             for fd in list(self.idle):
                 conn = self.idle.pop(fd)[0]
-                self.poller.unregister(fd)
+                self._unwatch(fd)
                 if conn.received:
                     # It began: never unanswered.
                     self.refuse(conn, 503, "Service Unavailable", wait=False)
@@ -355,15 +378,15 @@ class ThreadWorker(Pipeline):
 
     def watch_writable(self, fd: int, on: bool) -> None:  # (Pipeline.write_later)
         if on:
-            self.poller.register(fd, EPOLLOUT)
+            self._watch(fd, EPOLLOUT)
         else:
-            self.poller.unregister(fd)
+            self._unwatch(fd)
 
     def watch_readable(self, fd: int, on: bool) -> None:  # (Pipeline.close_later)
         if on:
-            self.poller.register(fd, EPOLLIN)
+            self._watch(fd, EPOLLIN)
         else:
-            self.poller.unregister(fd)
+            self._unwatch(fd)
 
     def _write_out(self, fd: int) -> None:
         done = self.write_more(fd)
@@ -379,7 +402,7 @@ class ThreadWorker(Pipeline):
                 due = min(due, deadline)
             else:
                 del self.idle[fd]
-                self.poller.unregister(fd)
+                self._unwatch(fd)
                 if conn.received:
                     # A head (or small body) that did not come in time: answered here, it
                     # never reaches the app (nor a thread).
