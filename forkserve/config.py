@@ -588,10 +588,12 @@ SETTINGS: tuple[Setting, ...] = (
             flags=("--preload",), flag=True, reloadable=False),
     # -- development reload (issue 15)
     Setting("gc_freeze", _bool, True,
-            "with --preload, the arbiter runs gc.collect() and gc.freeze() after the import, "
-            "before forking, so that the workers' garbage collector never writes to the "
-            "application's objects and their memory pages stay shared (copy-on-write); "
-            "--no-gc-freeze (gc_freeze: false) turns that off",
+            "each worker runs gc.freeze() as it starts, and with --preload the arbiter runs "
+            "gc.collect() and gc.freeze() after the import, before forking, so that the "
+            "workers' garbage collector never writes to what they inherited (the "
+            "application's objects with --preload, the server's own otherwise) and those "
+            "memory pages stay shared (copy-on-write); --no-gc-freeze (gc_freeze: false) "
+            "turns both off",
             flags=("--no-gc-freeze",), flag=True, reloadable=False),
     Setting("reload", _bool, False,
             "development: watch the application's files and reload as HUP does (new workers "

@@ -11,6 +11,7 @@ and signals (down).
 from __future__ import annotations
 
 import enum
+import gc
 import os
 import random
 import select
@@ -122,6 +123,7 @@ class WorkerSettings:
     forwarded_allow_ips: list[str]
     forwarded_for: bool
     proxy_protocol: bool
+    gc_freeze: bool
     limits: Limits  # limit_request_line, _fields, _field_size, _body
     metrics_dir: str | None = None  # the arbiter's metrics store's directory, when metrics are on
     # (uid, gid, groups) to drop to after fork (--user, --group, --initgroups), resolved in the
@@ -231,6 +233,15 @@ class Worker:
     def run_child(self) -> None:
         """Entered right after fork in the child; never returns."""
         code: int = ExitCode.OK
+        if self.settings.gc_freeze:
+            # What this process inherited (the arbiter's objects: forkserve's code, its
+            # config; with --preload frozen there already) moves to the permanent generation,
+            # which the collector never visits: a full collection here would otherwise write
+            # to each one's gc header and so copy every page they lie on (about 2 MiB a gevent
+            # worker, whose arbiter imported gevent; more once the worker has lived long
+            # enough for a full collection). One merge of the generation lists: no object is
+            # touched. What the app builds after the fork stays collectable.
+            gc.freeze()
         try:
             self._close_inherited()
             self._post_fork()

@@ -1,11 +1,12 @@
-"""--preload freezes the arbiter's objects (gc.collect(); gc.freeze()) before forking, so that
-the workers' garbage collector leaves the shared pages alone; --no-gc-freeze (or
-FORKSERVE_GC_FREEZE=0) turns it off. Seen from the workers: each one reports
-gc.get_freeze_count(), the permanent generation it inherited. The memory this saves is
+"""--preload freezes the arbiter's objects (gc.collect(); gc.freeze()) before forking, and every
+worker freezes what it inherited as it starts (the server's own objects, without --preload), so
+that the workers' garbage collector leaves the shared pages alone; --no-gc-freeze (or
+FORKSERVE_GC_FREEZE=0) turns both off. Seen from the workers: each one reports
+gc.get_freeze_count(), the size of its permanent generation. The memory this saves is
 measured by bench/memory.py, not here (no timing or sizes in a test).
 
-Sync and thread workers only: --preload is refused with -k gevent (the application would be
-imported before gevent patches the standard library).
+--preload with sync and thread workers only: it is refused with -k gevent (the application
+would be imported before gevent patches the standard library).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from tests.harness import Server, get, wait_for
 APP = "tests.apps.gcfreeze:app"
 CLASS_ARGS = {"sync": (), "thread": ("-k", "thread", "--threads", "2")}
 by_worker_class = pytest.mark.parametrize("worker_class", list(CLASS_ARGS))
+EVERY_CLASS = {**CLASS_ARGS, "gevent": ("-k", "gevent")}
+by_every_class = pytest.mark.parametrize("worker_class", list(EVERY_CLASS))
 
 
 def frozen_counts(server: Server, workers: int = 2) -> dict[int, int]:
@@ -55,7 +58,23 @@ def test_no_gc_freeze_turns_it_off(server_factory: Any, how: str) -> None:
     assert server.count_log("frozen for copy-on-write") == 0
 
 
-def test_without_preload_nothing_is_frozen(server_factory: Any) -> None:
-    server = server_factory("--log-level", "debug", app=APP).wait_ready()
-    assert set(frozen_counts(server).values()) == {0}
+@by_every_class
+def test_without_preload_each_worker_freezes_what_it_inherited(server_factory: Any,
+                                                               worker_class: str) -> None:
+    """The arbiter freezes nothing (it imported no application), each worker freezes the
+    arbiter's objects it inherited (forkserve's code and configuration: thousands), and what
+    the application builds after the fork stays collectable: a reference cycle it drops is
+    collected by a full collection in the worker."""
+    server = server_factory("--log-level", "debug", *EVERY_CLASS[worker_class],
+                            app=APP).wait_ready()
+    counts = frozen_counts(server)
+    assert all(n > 1000 for n in counts.values()), counts
     assert server.count_log("frozen for copy-on-write") == 0
+    answers = {get(server.port, "/cycle").body for _ in range(4)}
+    assert answers == {b"collected"}, answers
+
+
+@by_every_class
+def test_no_gc_freeze_without_preload(server_factory: Any, worker_class: str) -> None:
+    server = server_factory("--no-gc-freeze", *EVERY_CLASS[worker_class], app=APP).wait_ready()
+    assert set(frozen_counts(server).values()) == {0}
