@@ -1,6 +1,7 @@
 """How much of a preloaded application's memory the workers share: gc.freeze on and off.
 
     python bench/memory.py [-w WORKERS] [--heap-mb MB] [--requests N]
+    python bench/memory.py --no-preload [-k sync|thread|gevent] [--heap-mb MB]
 
 Starts each server with ``--preload`` and WORKERS sync workers on ``bench.apps_memory:app``
 (about MB of ordinary Python objects built at import, and Flask imported), one after the
@@ -17,11 +18,18 @@ exit would free). Then every worker runs one full ``gc.collect()`` (``/collect``
 long-lived worker eventually does by itself, and is read again. Printed: the mean per worker
 in MB, and the sum of PSS over the arbiter and its workers (the memory the whole server
 really costs).
+
+``--no-preload`` (the default configuration of both servers): each worker imports the app
+itself, so what is shared is what the arbiter had before forking (the server's own code and
+configuration, and gevent with ``-k gevent``); a worker freezes what it inherited (the
+default) or, with ``--no-gc-freeze``, leaves it to its collector. gunicorn runs without
+``--preload`` too, with the matching worker class.
 """
 
 from __future__ import annotations
 
 import argparse
+from importlib.metadata import version
 import os
 import signal
 import socket
@@ -52,22 +60,32 @@ def smaps_rollup(pid: int) -> dict[str, int]:
     return values
 
 
-class PreloadedGunicorn(Gunicorn):
-    def __init__(self, workers: int, env: dict[str, str]) -> None:
+GUNICORN_CLASS = {"sync": "sync", "thread": "gthread", "gevent": "gevent"}
+THREADS = ("--threads", "4")
+
+
+class PlainGunicorn(Gunicorn):
+    def __init__(self, workers: int, env: dict[str, str], worker_class: str,
+                 preload: bool) -> None:
         script = Path(sys.executable).parent / "gunicorn"
+        kind = GUNICORN_CLASS[worker_class]
         argv = [str(script) if script.exists() else "gunicorn", "-b", "127.0.0.1:0",
-                "-w", str(workers), "-k", "sync", "--no-control-socket", "--preload", APP]
+                "-w", str(workers), "-k", kind, *(THREADS if kind == "gthread" else ()),
+                "--no-control-socket", *(("--preload",) if preload else ()), APP]
         self._launch(argv, dict(os.environ), env, ROOT, ())
 
 
-def start(kind: str, workers: int, heap_mb: float) -> Server:
+def start(kind: str, workers: int, heap_mb: float, worker_class: str,
+          preload: bool) -> Server:
     env = {"BENCH_HEAP_MB": str(heap_mb)}
-    if kind == "gunicorn":
-        server: Server = PreloadedGunicorn(workers, env)
+    if kind.startswith("gunicorn"):
+        server: Server = PlainGunicorn(workers, env, worker_class, preload)
         server.wait_text("Booting worker", 120)
     else:
-        extra = ("--no-gc-freeze",) if kind == "forkserve --no-gc-freeze" else ()
-        server = Server("--preload", *extra, app=APP, workers=workers, env=env)
+        extra = ("--no-gc-freeze",) if kind.endswith("--no-gc-freeze") else ()
+        server = Server(*(("--preload",) if preload else ()), *extra, "-k", worker_class,
+                        *(THREADS if worker_class == "thread" else ()), app=APP,
+                        workers=workers, env=env)
         server.wait_ready(120)
     wait_for(lambda: len(children(server.pid)) == workers, 120, f"{workers} workers")
     return server
@@ -102,8 +120,9 @@ def measure(server: Server, workers: set[int]) -> dict[str, float]:
     }
 
 
-def run(kind: str, workers: int, heap_mb: float, requests: int) -> dict[str, dict[str, float]]:
-    server = start(kind, workers, heap_mb)
+def run(kind: str, workers: int, heap_mb: float, requests: int, worker_class: str,
+        preload: bool) -> dict[str, dict[str, float]]:
+    server = start(kind, workers, heap_mb, worker_class, preload)
     try:
         pids = set(children(server.pid))
         hit_every_worker(server, "/", requests, pids)
@@ -126,10 +145,19 @@ def main() -> int:
     parser.add_argument("-w", "--workers", type=int, default=4)
     parser.add_argument("--heap-mb", type=float, default=100.0)
     parser.add_argument("--requests", type=int, default=200, help="per worker, to warm it")
+    parser.add_argument("-k", "--worker-class", choices=sorted(GUNICORN_CLASS), default="sync")
+    parser.add_argument("--no-preload", dest="preload", action="store_false",
+                        help="each worker imports the app (both servers' default)")
     args = parser.parse_args()
-    kinds = ("forkserve", "forkserve --no-gc-freeze", "gunicorn")
-    results = {kind: run(kind, args.workers, args.heap_mb, args.requests) for kind in kinds}
-    print(f"\n{args.workers} sync workers, --preload, ~{args.heap_mb:g} MB heap built at import; "
+    if args.preload and args.worker_class == "gevent":
+        parser.error("forkserve refuses --preload with -k gevent: add --no-preload")
+    preload = " --preload" if args.preload else ""
+    kinds = (f"forkserve{preload}", f"forkserve{preload} --no-gc-freeze",
+             f"gunicorn {version('gunicorn')}{preload} -k {GUNICORN_CLASS[args.worker_class]}")
+    results = {kind: run(kind, args.workers, args.heap_mb, args.requests, args.worker_class,
+                         args.preload) for kind in kinds}
+    print(f"\n{args.workers} {args.worker_class} workers,{preload or ' no --preload'}, "
+          f"~{args.heap_mb:g} MB heap built at import; "
           f"mean per worker in MB, and the PSS of arbiter + workers")
     print("| server | phase | RSS | PSS | USS | total PSS |\n|---|---|---|---|---|---|")
     for kind, phases in results.items():
