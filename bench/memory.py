@@ -29,11 +29,11 @@ default) or, with ``--no-gc-freeze``, leaves it to its collector. gunicorn runs 
 from __future__ import annotations
 
 import argparse
-from importlib.metadata import version
 import os
 import signal
 import socket
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
