@@ -1,4 +1,4 @@
-"""How much of a preloaded application's memory the workers share: gc.freeze on and off.
+"""How much of an application's memory the workers share: gc.freeze on and off.
 
     python bench/memory.py [-w WORKERS] [--heap-mb MB] [--requests N]
     python bench/memory.py --no-preload [-k sync|thread|gevent] [--heap-mb MB]
@@ -75,14 +75,14 @@ class PlainGunicorn(Gunicorn):
         self._launch(argv, dict(os.environ), env, ROOT, ())
 
 
-def start(kind: str, workers: int, heap_mb: float, worker_class: str,
+def start(gunicorn: bool, freeze: bool, workers: int, heap_mb: float, worker_class: str,
           preload: bool) -> Server:
     env = {"BENCH_HEAP_MB": str(heap_mb)}
-    if kind.startswith("gunicorn"):
+    if gunicorn:
         server: Server = PlainGunicorn(workers, env, worker_class, preload)
         server.wait_text("Booting worker", 120)
     else:
-        extra = ("--no-gc-freeze",) if kind.endswith("--no-gc-freeze") else ()
+        extra = () if freeze else ("--no-gc-freeze",)
         server = Server(*(("--preload",) if preload else ()), *extra, "-k", worker_class,
                         *(THREADS if worker_class == "thread" else ()), app=APP,
                         workers=workers, env=env)
@@ -120,9 +120,9 @@ def measure(server: Server, workers: set[int]) -> dict[str, float]:
     }
 
 
-def run(kind: str, workers: int, heap_mb: float, requests: int, worker_class: str,
-        preload: bool) -> dict[str, dict[str, float]]:
-    server = start(kind, workers, heap_mb, worker_class, preload)
+def run(gunicorn: bool, freeze: bool, workers: int, heap_mb: float, requests: int,
+        worker_class: str, preload: bool) -> dict[str, dict[str, float]]:
+    server = start(gunicorn, freeze, workers, heap_mb, worker_class, preload)
     try:
         pids = set(children(server.pid))
         hit_every_worker(server, "/", requests, pids)
@@ -152,10 +152,14 @@ def main() -> int:
     if args.preload and args.worker_class == "gevent":
         parser.error("forkserve refuses --preload with -k gevent: add --no-preload")
     preload = " --preload" if args.preload else ""
-    kinds = (f"forkserve{preload}", f"forkserve{preload} --no-gc-freeze",
-             f"gunicorn {version('gunicorn')}{preload} -k {GUNICORN_CLASS[args.worker_class]}")
-    results = {kind: run(kind, args.workers, args.heap_mb, args.requests, args.worker_class,
-                         args.preload) for kind in kinds}
+    # (the row's label, gunicorn?, forkserve's freeze on?)
+    kinds = ((f"forkserve{preload}", False, True),
+             (f"forkserve{preload} --no-gc-freeze", False, False),
+             (f"gunicorn {version('gunicorn')}{preload} -k {GUNICORN_CLASS[args.worker_class]}",
+              True, True))
+    results = {label: run(gunicorn, freeze, args.workers, args.heap_mb, args.requests,
+                          args.worker_class, args.preload)
+               for label, gunicorn, freeze in kinds}
     print(f"\n{args.workers} {args.worker_class} workers,{preload or ' no --preload'}, "
           f"~{args.heap_mb:g} MB heap built at import; "
           f"mean per worker in MB, and the PSS of arbiter + workers")
