@@ -222,3 +222,38 @@ def test_keepalive_counts_from_the_response_after_a_long_computation(
             client.send(get("/"))
             response = client.read_response()
             assert response.status == 200, response
+
+
+# -- 13. A short --keepalive holds under load, on every worker class --------------------------
+
+@pytest.mark.parametrize("worker_class", ["sync", "thread", "gevent"])
+def test_short_keepalive_ends_every_idle_connection_on_time(
+        server_factory: type[Server], worker_class: str) -> None:
+    """--keepalive 0.25, shorter than a worker's heartbeat (1 s), and 20 clients that each
+    send requests back to back (each sent the moment the last response is read), then stop
+    (1 on the sync worker, which gives keep-alive up while another client waits for it):
+    every connection, and then a lone client's, is closed about --keepalive after its last
+    response, not at the
+    worker's next heartbeat. (The thread worker's request threads re-arm a kept-alive
+    connection themselves, without waking the poll loop, which then learns of it only when
+    it wakes: its wait is bounded by --keepalive so that the deadline is not missed.)"""
+    server = server_factory("-k", worker_class, "--keepalive", "0.25", workers=2).wait_ready()
+
+    def client(_: int) -> float:
+        with RawClient.connect(server.port, timeout=10) as raw:
+            for _ in range(30):
+                raw.send(get("/"))
+                response = raw.read_response()
+                assert response.status == 200, response
+                assert not response.has_token("Connection", "close"), response
+            last = time.monotonic()
+            raw.assert_closed()
+            return time.monotonic() - last
+
+    clients = 1 if worker_class == "sync" else 20
+    with ThreadPoolExecutor(clients) as pool:
+        idle = sorted(pool.map(client, range(clients)))
+    idle.append(client(0))  # then a lone one: no other connection's deadline wakes its worker
+    # Never before --keepalive (less a little clock slack); with the poll loop asleep for a
+    # heartbeat, a connection went idle for up to 1 s. 0.85 s leaves a loaded machine room.
+    assert min(idle) >= 0.2 and max(idle) < 0.85, f"idle connections closed after {idle}"
