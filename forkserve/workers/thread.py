@@ -1,9 +1,8 @@
 """The thread worker: a pool of ``--threads`` request threads per worker process (and spares
 standing in for threads parked on clients that do not read).
 
-Owns: the poll loop (main thread) and the hand-off of ready connections to the pool. The main
-thread changes a connection's place (a pool thread only re-arms the poll entry of a kept-alive
-connection it hands back, see _watch_again): it accepts, it watches idle keep-alive connections
+Owns: the poll loop (main thread) and the hand-off of ready connections to the pool. Only the
+main thread changes a connection's place: it accepts, it watches idle keep-alive connections
 (they wait in the poller, never in a thread), it reads what their clients send without
 waiting until a request is ready (its whole head, and its body or the first --body-buffer
 bytes of it; it answers 100 Continue itself), and then hands the connection to a pool
@@ -85,8 +84,7 @@ class ThreadWorker(Pipeline):
         # --max-connections); beyond that, clients wait in the listen backlog.
         self.limit = self.settings.max_connections or 1000
         self.work: queue.SimpleQueue[tuple[Connection, Listener] | None] = queue.SimpleQueue()
-        # Connections back from the threads; True: a kept-alive one its thread re-armed itself.
-        self.back: queue.SimpleQueue[tuple[Connection, Listener, Ending, bool]] = queue.SimpleQueue()
+        self.back: queue.SimpleQueue[tuple[Connection, Listener, Ending]] = queue.SimpleQueue()
         self.back_r, self.back_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.polling = False  # the poll loop sleeps in poll (see _hand_back)
         self.accept_waits = False  # the loop stopped accepting until a thread is free
@@ -112,7 +110,6 @@ class ThreadWorker(Pipeline):
         # and one a thread closes is disarmed: nothing is left that could fire.
         self.poller = select.epoll()
         self.in_epoll: set[int] = set()  # connections' descriptors with an entry (see _watch)
-        self.early: set[int] = set()  # ready before their connection came back (_watch_again)
         self.listener_fds = {listener.fd: listener for listener in self.listeners}
         for fd in (self.wakeup_r, self.alive_fd, self.back_r):
             self.poller.register(fd, EPOLLIN)
@@ -186,10 +183,6 @@ class ThreadWorker(Pipeline):
                 timeout = min(timeout, pause)
             if self.request_timeout:
                 timeout = min(timeout, max(self.next_request_deadline(now) - now, 0))
-            if self.settings.keepalive > 0:
-                # A connection a thread re-armed while this loop sleeps is found when it wakes
-                # (see _watch_again): by then its keep-alive deadline has not passed.
-                timeout = min(timeout, self.settings.keepalive)
             # A thread hands a connection back with a wake-up byte only while this loop sleeps
             # in poll (see _hand_back): one handed back while it was busy is found here. Set
             # before the look, so that a hand-back after the look sees it and writes the byte.
@@ -197,15 +190,14 @@ class ThreadWorker(Pipeline):
             handed_back = not self.back.empty()
             ready = self.poller.poll(0 if handed_back else timeout + 0.001)
             self.polling = False
-            # Before the events: a connection its thread re-armed is likely among them.
-            self._take_back()
             for fd, _ in ready:
                 if fd == self.wakeup_r:
                     self.handle_wakeups()
                 elif fd == self.alive_fd:
                     self.arbiter_gone()
                 elif fd == self.back_r:
-                    drain_pipe(self.back_r)  # (what it announced was taken above)
+                    drain_pipe(self.back_r)
+                    handed_back = True
                 elif fd in self.idle:
                     self._gather(fd)
                 elif fd in self.flushing:
@@ -217,8 +209,8 @@ class ThreadWorker(Pipeline):
                     # kept-alive clients (c=500) kept them, and its latency, while the other
                     # idled; in rounds, the workers share it as they share the queue.
                     self._accept_into_pool(self.listener_fds[fd], self.settings.threads)
-                else:
-                    self.early.add(fd)  # re-armed, not yet handed back (see _watch_again)
+            if handed_back:
+                self._take_back()
             self._expire_idle(time.monotonic())
             if self.flushing:
                 self.end_writes(time.monotonic())
@@ -356,20 +348,21 @@ class ThreadWorker(Pipeline):
         return min(deadline, stop_grace_end(conn, self.stop_began()))
 
     def _take_back(self) -> None:
-        while not self.back.empty():  # (this loop is its only reader)
-            conn, listener, ending, armed = self.back.get_nowait()
+        while True:
+            try:
+                conn, listener, ending = self.back.get_nowait()
+            except queue.Empty:
+                return
             if self.state is WorkerState.CANCELLED or self.state is WorkerState.HALTING:
                 self._release(conn)
             elif conn.unsent is not None:
                 self.write_later(conn, listener, ending)
             else:
-                self._after_response(conn, listener, ending, armed)
+                self._after_response(conn, listener, ending)
 
-    def _after_response(self, conn: Connection, listener: Listener, ending: Ending,
-                        armed: bool = False) -> None:
+    def _after_response(self, conn: Connection, listener: Listener, ending: Ending) -> None:
         """A connection's response is all out: it ends, a pipelined request is served, or
-        the loop watches it for the client's next request (``armed``: its entry is armed
-        already, see _watch_again)."""
+        the loop watches it for the client's next request."""
         if ending is Ending.LINGER:
             self.end_connection(conn, linger=True)  # the loop drains it (close_later)
         elif ending is not Ending.IDLE:
@@ -381,14 +374,7 @@ class ThreadWorker(Pipeline):
             if self.state is not RUNNING:
                 # Its last response promised keep-alive before the stop: the close grace.
                 deadline = self.stop_deadline(conn, deadline)
-            if not armed:
-                self._wait_for_client(conn, listener, deadline)
-            elif conn.fd in self.early:  # its client's next request was seen already
-                self.early.discard(conn.fd)
-                self._idle_until(conn, listener, deadline)
-                self._gather(conn.fd)
-            else:
-                self._idle_until(conn, listener, deadline)
+            self._wait_for_client(conn, listener, deadline)
 
     def watch_writable(self, fd: int, on: bool) -> None:  # (Pipeline.write_later)
         if on:
@@ -438,27 +424,8 @@ class ThreadWorker(Pipeline):
         only if the loop sleeps in poll (a write, and the loop's read of it, per request
         otherwise). Put first, then look: a loop that set ``polling`` before it looked at
         the queue either saw this connection there, or is seen polling here."""
-        self.back.put((conn, listener, ending, False))
+        self.back.put((conn, listener, ending))
         if self.polling:
-            self._wake_main()
-
-    def _watch_again(self, conn: Connection, listener: Listener) -> None:
-        """-- runs in a pool thread. A kept-alive connection whose response is all out, in a
-        running worker: this thread re-arms its entry, and the loop learns of it from the
-        queue when it next wakes, with no wake-up of its own. A wake-up per request (a pipe
-        write, an epoll return and a read, two thread switches) was a third of the thread
-        worker's system calls at c=50 whenever the loop kept up with the threads.
-
-        Armed, then handed back: once in the queue, the connection is the loop's, which may
-        close it (a cancel), and an entry armed after that could be another connection's by
-        then (the descriptor reused). So its client's next request can be seen before the
-        connection is back: the loop keeps that descriptor in ``early`` and serves it when
-        the connection comes (see _after_response)."""
-        self._watch(conn.fd, EPOLLIN_ONCE)
-        self.back.put((conn, listener, Ending.IDLE, True))
-        if self.state is not RUNNING and self.polling:
-            # The stop began after this thread looked (see _run_connection): the loop takes
-            # the connection now, to give it the stop's grace (see _after_response).
             self._wake_main()
 
     def _wake_main(self) -> None:
@@ -535,10 +502,7 @@ class ThreadWorker(Pipeline):
             self.log.exception("Connection failed", exc, worker=self.worker_id)
             ending = Ending.CLOSE
         conn.owner = None
-        if (ending is Ending.IDLE and conn.unsent is None and not conn.events
-                and self.state is RUNNING):
-            self._watch_again(conn, listener)
-        elif ending is Ending.IDLE or conn.unsent is not None or (
+        if ending is Ending.IDLE or conn.unsent is not None or (
                 ending is Ending.LINGER and conn.defer_writes):
             # Back to the main thread, which writes out what the client has not taken yet,
             # and watches it (applying a stop's grace), drains it before closing (a

@@ -233,10 +233,9 @@ def test_short_keepalive_ends_every_idle_connection_on_time(
     send requests back to back (each sent the moment the last response is read), then stop
     (1 on the sync worker, which gives keep-alive up while another client waits for it):
     every connection, and then a lone client's, is closed about --keepalive after its last
-    response, not at the
-    worker's next heartbeat. (The thread worker's request threads re-arm a kept-alive
-    connection themselves, without waking the poll loop, which then learns of it only when
-    it wakes: its wait is bounded by --keepalive so that the deadline is not missed.)"""
+    response, not at the worker's next heartbeat: a loop that learns of a kept-alive
+    connection only when it wakes (a thread worker whose request threads re-armed it
+    themselves, one such change measured) misses the deadline by up to a heartbeat."""
     server = server_factory("-k", worker_class, "--keepalive", "0.25", workers=2).wait_ready()
 
     def client(_: int) -> float:
