@@ -10,7 +10,8 @@
 
 Servers (each on 127.0.0.1, a port picked by binding port 0; 2 workers where it has workers):
 ``fs-sync``, ``fs-thread`` (4 threads), ``fs-gevent``: ``python -m forkserve -w 2 --log-level
-warning -k …``; ``gu-sync``, ``gu-gthread`` (4 threads), ``gu-gevent``: gunicorn the same;
+warning -k …``; ``fs-thread-pin``: ``fs-thread`` with ``--cpu-affinity`` (each worker on a CPU
+of its own); ``gu-sync``, ``gu-gthread`` (4 threads), ``gu-gevent``: gunicorn the same;
 ``granian`` (``--interface wsgi --workers 2 --no-log``); ``bjoern`` (one process: it has no
 workers); ``uwsgi`` (pyuwsgi's binary, ``--master --processes 2 --disable-logging
 --http11-socket``: ``--http-socket`` answers HTTP/1.1 and then resets a reused connection);
@@ -120,6 +121,7 @@ class ServerSpec:
 SERVERS: dict[str, ServerSpec] = {spec.name: spec for spec in (
     ServerSpec("fs-sync", ("forkserve",)),
     ServerSpec("fs-thread", ("forkserve",), note="4 threads"),
+    ServerSpec("fs-thread-pin", ("forkserve",), note="4 threads, --cpu-affinity"),
     ServerSpec("fs-gevent", ("forkserve", "gevent")),
     ServerSpec("gu-sync", ("gunicorn",)),
     ServerSpec("gu-gthread", ("gunicorn",), note="4 threads"),
@@ -129,7 +131,8 @@ SERVERS: dict[str, ServerSpec] = {spec.name: spec for spec in (
     ServerSpec("uwsgi", ("pyuwsgi",)),
     ServerSpec("waitress", ("waitress",), one_process=True, note="1 process, 4 threads"),
 )}
-MATCHING = {"fs-sync": "gu-sync", "fs-thread": "gu-gthread", "fs-gevent": "gu-gevent"}
+MATCHING = {"fs-sync": "gu-sync", "fs-thread": "gu-gthread", "fs-thread-pin": "gu-gthread",
+            "fs-gevent": "gu-gevent"}
 PEERS = ("granian", "bjoern", "uwsgi", "waitress")
 VERSIONS = ("forkserve", "gunicorn", "gevent", "granian", "bjoern", "pyuwsgi", "waitress",
             "flask", "httptools")
@@ -148,10 +151,11 @@ def tool(name: str) -> str:
 def argv_for(server: str, app: str, port: int) -> list[str]:
     bind = f"127.0.0.1:{port}"
     if server.startswith("fs-"):
-        kind = server[3:]
+        kind, _, pinned = server[3:].partition("-")
         return [sys.executable, "-m", "forkserve", "-b", bind, "-w", str(WORKERS),
                 "--log-level", "warning", "-k", kind,
-                *(["--threads", str(THREADS)] if kind == "thread" else []), app]
+                *(["--threads", str(THREADS)] if kind == "thread" else []),
+                *(["--cpu-affinity"] if pinned else []), app]
     if server.startswith("gu-"):
         kind = server[3:]
         # --no-control-socket: gunicorn 24+ opens one at a fixed path in $HOME otherwise, and

@@ -120,6 +120,7 @@ class WorkerSettings:
     max_connections: int | None
     worker_connections: int
     threads: int
+    cpu_affinity: bool
     forwarded_allow_ips: list[str]
     forwarded_for: bool
     proxy_protocol: bool
@@ -242,6 +243,8 @@ class Worker:
             # enough for a full collection). One merge of the generation lists: no object is
             # touched. What the app builds after the fork stays collectable.
             gc.freeze()
+        if self.settings.cpu_affinity:
+            self._pin_to_cpu()  # first: the threads this process starts inherit it
         try:
             self._close_inherited()
             self._post_fork()
@@ -310,6 +313,19 @@ class Worker:
                 os.close(fd)
             except OSError:
                 continue
+
+    def _pin_to_cpu(self) -> None:
+        """--cpu-affinity: this process runs on one CPU of those the arbiter may run on
+        (a taskset, a systemd CPUAffinity= or a container's cpuset narrow them), chosen by
+        worker number, so that a worker replaced, or its successor at a reload, runs where
+        it did."""
+        cpus = sorted(os.sched_getaffinity(0))
+        cpu = cpus[(self.worker_id - 1) % len(cpus)]
+        try:
+            os.sched_setaffinity(0, {cpu})
+        except OSError as exc:  # (a CPU gone offline since the arbiter looked)
+            self.log.warning("Worker could not be pinned to a CPU; it runs on any",
+                             worker=self.worker_id, cpu=cpu, error=str(exc))
 
     def _post_fork(self) -> None:
         sigs.reset_in_child(WORKER_SIGNALS + (signal.SIGCHLD,))
