@@ -492,7 +492,7 @@ SETTINGS: tuple[Setting, ...] = (
             "pin each worker process to one CPU of those the server may run on (worker 1 to "
             "the first, worker 2 to the next, round the set again when there are more "
             "workers): a thread worker's threads, which take turns at Python's GIL, then "
-            "hand it over on one CPU instead of across two (measured: a third more requests a "
+            "hand it over on one CPU instead of across two (measured: about a third more requests a "
             "second at keep-alive c=50 on 2 cores); a process then never uses a second CPU, "
             "even for work that releases the GIL; Linux only",
             flags=("--cpu-affinity",), flag=True),
