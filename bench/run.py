@@ -11,7 +11,7 @@
 Servers (each on 127.0.0.1, a port picked by binding port 0; 2 workers where it has workers):
 ``fs-sync``, ``fs-thread`` (4 threads), ``fs-gevent``: ``python -m forkserve -w 2 --log-level
 warning -k …``; ``fs-thread-pin``: ``fs-thread`` with ``--cpu-affinity`` (each worker on a CPU
-of its own); ``gu-sync``, ``gu-gthread`` (4 threads), ``gu-gevent``: gunicorn the same;
+of its own); ``fs-thread-tuned``: with ``--cpu-affinity --sched-batch``; ``gu-sync``, ``gu-gthread`` (4 threads), ``gu-gevent``: gunicorn the same;
 ``granian`` (``--interface wsgi --workers 2 --no-log``); ``bjoern`` (one process: it has no
 workers); ``uwsgi`` (pyuwsgi's binary, ``--master --processes 2 --disable-logging
 --http11-socket``: ``--http-socket`` answers HTTP/1.1 and then resets a reused connection);
@@ -122,6 +122,8 @@ SERVERS: dict[str, ServerSpec] = {spec.name: spec for spec in (
     ServerSpec("fs-sync", ("forkserve",)),
     ServerSpec("fs-thread", ("forkserve",), note="4 threads"),
     ServerSpec("fs-thread-pin", ("forkserve",), note="4 threads, --cpu-affinity"),
+    ServerSpec("fs-thread-tuned", ("forkserve",),
+               note="4 threads, --cpu-affinity --sched-batch"),
     ServerSpec("fs-gevent", ("forkserve", "gevent")),
     ServerSpec("gu-sync", ("gunicorn",)),
     ServerSpec("gu-gthread", ("gunicorn",), note="4 threads"),
@@ -132,7 +134,9 @@ SERVERS: dict[str, ServerSpec] = {spec.name: spec for spec in (
     ServerSpec("waitress", ("waitress",), one_process=True, note="1 process, 4 threads"),
 )}
 MATCHING = {"fs-sync": "gu-sync", "fs-thread": "gu-gthread", "fs-thread-pin": "gu-gthread",
-            "fs-gevent": "gu-gevent"}
+            "fs-thread-tuned": "gu-gthread", "fs-gevent": "gu-gevent"}
+# A forkserve configuration's name past its worker class: the flags it adds.
+VARIANTS = {"": [], "pin": ["--cpu-affinity"], "tuned": ["--cpu-affinity", "--sched-batch"]}
 PEERS = ("granian", "bjoern", "uwsgi", "waitress")
 VERSIONS = ("forkserve", "gunicorn", "gevent", "granian", "bjoern", "pyuwsgi", "waitress",
             "flask", "httptools")
@@ -151,11 +155,11 @@ def tool(name: str) -> str:
 def argv_for(server: str, app: str, port: int) -> list[str]:
     bind = f"127.0.0.1:{port}"
     if server.startswith("fs-"):
-        kind, _, pinned = server[3:].partition("-")
+        kind, _, variant = server[3:].partition("-")
         return [sys.executable, "-m", "forkserve", "-b", bind, "-w", str(WORKERS),
                 "--log-level", "warning", "-k", kind,
                 *(["--threads", str(THREADS)] if kind == "thread" else []),
-                *(["--cpu-affinity"] if pinned else []), app]
+                *VARIANTS[variant], app]
     if server.startswith("gu-"):
         kind = server[3:]
         # --no-control-socket: gunicorn 24+ opens one at a fixed path in $HOME otherwise, and

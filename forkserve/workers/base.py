@@ -121,6 +121,7 @@ class WorkerSettings:
     worker_connections: int
     threads: int
     cpu_affinity: bool
+    sched_batch: bool
     forwarded_allow_ips: list[str]
     forwarded_for: bool
     proxy_protocol: bool
@@ -243,8 +244,11 @@ class Worker:
             # enough for a full collection). One merge of the generation lists: no object is
             # touched. What the app builds after the fork stays collectable.
             gc.freeze()
+        # First: the threads this process starts inherit both.
         if self.settings.cpu_affinity:
-            self._pin_to_cpu()  # first: the threads this process starts inherit it
+            self._pin_to_cpu()
+        if self.settings.sched_batch:
+            self._schedule_as_batch()
         try:
             self._close_inherited()
             self._post_fork()
@@ -326,6 +330,18 @@ class Worker:
         except OSError as exc:  # (a CPU gone offline since the arbiter looked)
             self.log.warning("Worker could not be pinned to a CPU; it runs on any",
                              worker=self.worker_id, cpu=cpu, error=str(exc))
+
+    def _schedule_as_batch(self) -> None:
+        """--sched-batch: a thread of this process that wakes (a request thread given work,
+        one whose GIL is free) does not preempt the one running. With preemption, a thread
+        that lets the GIL go around a short system call (a send, an epoll_ctl) is switched
+        out for the thread it woke, and waits to have the GIL back: two switches for a call
+        of a microsecond, the thread worker's main cost at keep-alive c=50."""
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        except OSError as exc:
+            self.log.warning("Worker could not take the SCHED_BATCH policy; it runs under the "
+                             "arbiter's", worker=self.worker_id, error=str(exc))
 
     def _post_fork(self) -> None:
         sigs.reset_in_child(WORKER_SIGNALS + (signal.SIGCHLD,))

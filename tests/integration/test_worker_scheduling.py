@@ -1,9 +1,13 @@
-"""--cpu-affinity pins each worker process, every thread of it, to one CPU of those the server
+"""Where and how the kernel runs the workers.
+
+--cpu-affinity pins each worker process, every thread of it, to one CPU of those the server
 may run on, chosen by worker number (worker 1 the first, worker 2 the next, round again);
-without it a worker may run wherever the arbiter may. Seen from outside: the affinity of each
-of a worker's threads (sched_getaffinity of its thread ids), read while the workers serve a
-load of keep-alive clients. What it is for, the thread worker's speed, is measured by
-bench/run.py (its fs-thread-pin row), not here.
+without it a worker may run wherever the arbiter may. --sched-batch puts every thread of each
+worker (not the arbiter) under the SCHED_BATCH policy. Seen from outside: the affinity and
+the policy of each of a worker's threads (sched_getaffinity, sched_getscheduler of its
+thread ids), read while the workers serve a load of keep-alive clients. What they are for,
+the thread worker's speed, is measured by bench/run.py (its fs-thread-pin and fs-thread-tuned
+rows), not here.
 """
 
 from __future__ import annotations
@@ -130,3 +134,41 @@ def test_a_replaced_worker_runs_where_the_one_it_replaces_did(server_factory: An
     new = wait_for(replaced, 15, "a new worker 1")
     wait_for(lambda: get(server.port, "/").status == 200, 15, "a response")
     assert all(found == cpu_set for found in thread_affinities(new).values())
+
+
+def thread_policies(pid: int) -> dict[int, int]:
+    found = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            found[int(tid)] = os.sched_getscheduler(int(tid))
+        except ProcessLookupError:
+            continue
+    return found
+
+
+@by_every_class
+def test_sched_batch_covers_every_thread_of_every_worker(server_factory: Any,
+                                                         worker_class: str) -> None:
+    server = server_factory("--sched-batch", *EVERY_CLASS[worker_class]).wait_ready()
+    load = under_load(server)
+    try:
+        for pid in worker_set(server, 2):
+            policies = thread_policies(pid)
+            if worker_class == "thread":
+                assert len(policies) >= 5, policies
+            assert set(policies.values()) == {os.SCHED_BATCH}, policies
+        assert os.sched_getscheduler(server.pid) == os.SCHED_OTHER  # not the arbiter
+    finally:
+        load.stop()
+    assert load.failures == [], load.failures[:5]
+
+
+def test_without_sched_batch_workers_keep_the_default_policy(server_factory: Any) -> None:
+    server = server_factory("--cpu-affinity", *EVERY_CLASS["thread"]).wait_ready()
+    load = under_load(server)
+    try:
+        for pid in worker_set(server, 2):
+            assert set(thread_policies(pid).values()) == {os.SCHED_OTHER}
+    finally:
+        load.stop()
+    assert load.failures == [], load.failures[:5]
