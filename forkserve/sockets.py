@@ -235,11 +235,13 @@ def adopt(sock: socket.socket, address: str, owned: bool = False, shared: bool =
 
 def bind(addresses: list[str], backlog: int, reuse_port: bool = False,
          inherited: list[Listener] | None = None, unix_mode: int | None = None,
-         unix_gid: int | None = None, unix_uid: int | None = None) -> list[Listener]:
+         unix_gid: int | None = None, unix_uid: int | None = None,
+         defer_accept: int = 0) -> list[Listener]:
     """Listeners for ``addresses``: inherited ones are reused when their configured address
     or real name matches; the rest are bound (a unix socket with ``unix_mode``, group
     ``unix_gid`` and owner ``unix_uid``: --bind-mode, --bind-group, --user). Inherited ones
-    left over are closed."""
+    left over are closed. TCP listeners of ours, inherited ones too (an upgrade's), get
+    ``defer_accept`` (--defer-accept; 0 clears it); a service manager's keep their own."""
     pool = list(inherited or [])
     listeners: list[Listener] = []
     try:
@@ -267,6 +269,11 @@ def bind(addresses: list[str], backlog: int, reuse_port: bool = False,
         leftover.close(unlink=False)  # no longer configured; whoever else holds it keeps it
     for listener in listeners:
         listener.sock.setblocking(False)
+        if not listener.shared and listener.sock.family in (socket.AF_INET, socket.AF_INET6) \
+                and hasattr(socket, "TCP_DEFER_ACCEPT"):
+            # Connections whose first bytes have not come wait in the kernel, not in a
+            # worker's accept: one wake-up per connection instead of two.
+            listener.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, defer_accept)
     return listeners
 
 
@@ -283,7 +290,7 @@ def _proc_address(hex_address: str) -> tuple[str, int]:
 
 NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY = 4, 20
 NLM_F_REQUEST, NLM_F_DUMP, NLMSG_ERROR, NLMSG_DONE = 0x1, 0x300, 2, 3
-TCP_LISTEN = 10
+TCP_SYN_RECV, TCP_LISTEN = 3, 10
 
 
 def _listeners_by_diag(family: int) -> list[tuple[str, int, int]]:
@@ -291,8 +298,13 @@ def _listeners_by_diag(family: int) -> list[tuple[str, int, int]]:
     sock_diag netlink interface: it is asked for LISTEN sockets only, where /proc/net/tcp
     lists every connection too (tens of thousands of TIME_WAIT entries under load: reading it
     took the arbiter's loop 100 ms and more)."""
+    return _sockets_by_diag(family, TCP_LISTEN)
+
+
+def _sockets_by_diag(family: int, state: int) -> list[tuple[str, int, int]]:
+    """(local host, local port, inode) of every TCP socket of ``family`` in ``state``."""
     # struct inet_diag_req_v2: family, protocol, ext, pad, states; then a zeroed sockid (48)
-    request = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 1 << TCP_LISTEN) + bytes(48)
+    request = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 1 << state) + bytes(48)
     header = struct.pack("=IHHII", 16 + len(request), SOCK_DIAG_BY_FAMILY,
                          NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
     found: list[tuple[str, int, int]] = []
@@ -319,12 +331,31 @@ def _listeners_by_diag(family: int) -> list[tuple[str, int, int]]:
                 offset += (length + 3) & ~3
 
 
-def _listeners_by_proc(family: int) -> list[tuple[str, int, int]]:
+def _listeners_by_proc(family: int, state: int = TCP_LISTEN) -> list[tuple[str, int, int]]:
     table = "/proc/net/tcp6" if family == socket.AF_INET6 else "/proc/net/tcp"
     with open(table, encoding="ascii") as fh:
         rows = [line.split() for line in fh.readlines()[1:]]
+    code = f"{state:02X}"
     return [(*_proc_address(row[1]), int(row[9])) for row in rows
-            if len(row) > 9 and row[3] == "0A"]
+            if len(row) > 9 and row[3] == code]
+
+
+def deferred_connections(listener: Listener) -> int:
+    """--defer-accept: how many connections to this TCP listener have their handshake done
+    (or under way) and wait in the kernel, outside the accept queue, for their client's first
+    bytes (SYN-RECV). A listener closed now would reset them as those bytes come."""
+    sock = listener.sock
+    if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.fileno() < 0:
+        return 0
+    try:
+        address = sock.getsockname()[:2]
+        try:
+            found = _sockets_by_diag(sock.family, TCP_SYN_RECV)
+        except OSError:
+            found = _listeners_by_proc(sock.family, TCP_SYN_RECV)
+    except OSError:
+        return 0
+    return sum(1 for host, port, _ in found if (host, port) == address)
 
 
 def other_listeners(sock: socket.socket) -> int:

@@ -62,7 +62,7 @@ def open_listeners(config: Config, handover: Handover | None, log: Log
 def _bind(config: Config, inherited: list[Listener] | None = None) -> list[Listener]:
     identity = config.worker_identity() if config.user is not None else None
     return bind(config.bind, config.backlog, config.reuse_port, inherited, unix_mode(config),
-                config.bind_gid(), identity[0] if identity else None)
+                config.bind_gid(), identity[0] if identity else None, config.defer_accept)
 
 
 def unix_mode(config: Config) -> int:

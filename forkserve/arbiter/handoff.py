@@ -155,7 +155,8 @@ class Handoff(Part):
             self.resume_retry_at = None
             return
         try:
-            self.listeners = bind(self.paused_addresses, self.config.backlog, self.config.reuse_port)
+            self.listeners = bind(self.paused_addresses, self.config.backlog, self.config.reuse_port,
+                                  defer_accept=self.config.defer_accept)
         except BindError as exc:
             if self.resume_waits(time.monotonic()):
                 self.cue(Cue.PORT_HELD)

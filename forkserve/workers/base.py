@@ -122,6 +122,7 @@ class WorkerSettings:
     threads: int
     cpu_affinity: bool
     sched_batch: bool
+    defer_accept: int  # (a stop waits for connections the kernel holds back: Pipeline)
     forwarded_allow_ips: list[str]
     forwarded_for: bool
     proxy_protocol: bool

@@ -31,7 +31,7 @@ from forkserve.http import HTTPError, Request
 from forkserve.http.proxy_protocol import ProxyProtocolError
 from forkserve.http.response import DateCache, reason_phrase, simple_response
 from forkserve.proxy import TrustedProxies
-from forkserve.sockets import Listener, refusing_new_connections
+from forkserve.sockets import Listener, deferred_connections, refusing_new_connections
 from forkserve.workers.base import Worker, WorkerState
 from forkserve.workers.connection import (LINGER_BYTES, LINGER_TIME, RECV_SIZE, Abandoned,
                                           Connection, Timeout, linger_together)
@@ -40,6 +40,7 @@ from forkserve.wsgi import (CheckedHeads, ClientGone, ClientSocket, ErrorStream,
                             build_environ)
 
 NEW_CONNECTION_GRACE = 0.5  # seconds a silent new connection gets once the worker stops
+DEFERRED_WAIT = 0.005  # seconds between looks for clients --defer-accept holds back (a stop)
 # Seconds an idle keep-alive connection must have been quiet before a stopping worker closes it.
 # Closing an idle connection races a request the client (a balancer reusing its connection)
 # may be sending right then: that request would be lost. So a stopping worker answers what
@@ -339,6 +340,17 @@ class Pipeline(Worker):
         if listener.sock.family not in (socket.AF_INET, socket.AF_INET6):
             return True
         return refusing_new_connections(listener)
+
+    def deferred_coming(self, listener: Listener, until: float) -> bool:
+        """Stopping or pausing with --defer-accept: are clients whose handshake is done
+        still to send their first bytes? The kernel holds those outside the accept queue, and
+        closing the listener would reset each as its bytes came. The caller looks before it
+        empties the queue (a client whose bytes come after the look is in the queue by then)
+        and, while this is True, waits DEFERRED_WAIT and looks and empties it again. Bounded
+        by ``until``, the grace a silent new connection gets at a stop: without the flag such
+        a client is accepted, and closed once that grace passes."""
+        return bool(self.settings.defer_accept) and time.monotonic() < until \
+            and deferred_connections(listener) > 0
 
     def turn_away_queue(self, listeners: list[Listener],
                         taken: tuple[socket.socket, ...] = ()) -> None:

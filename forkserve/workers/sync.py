@@ -33,7 +33,7 @@ from forkserve.context import RequestContext, RequestTimedOut
 from forkserve.sockets import Listener, accept_queue_length, queued_clients
 from forkserve.workers.base import WorkerState
 from forkserve.workers.connection import Connection
-from forkserve.workers.pipeline import Ending, Pipeline, stop_grace_end
+from forkserve.workers.pipeline import DEFERRED_WAIT, NEW_CONNECTION_GRACE, Ending, Pipeline, stop_grace_end
 
 POLLIN = select.POLLIN
 RUNNING = WorkerState.RUNNING
@@ -301,10 +301,16 @@ class SyncWorker(Pipeline):
         for listener in self.listeners:
             if self.takes_queue(listener):
                 budget = queued_clients([listener]) + socket.SOMAXCONN
+                settle = time.monotonic() + NEW_CONNECTION_GRACE
+                coming = self.deferred_coming(listener, settle)
                 while budget > 0 and self.state is WorkerState.STOPPING:
                     client = self.accept_from(listener)
                     if client is None:
-                        break
+                        if not coming:
+                            break
+                        time.sleep(DEFERRED_WAIT)
+                        coming = self.deferred_coming(listener, settle)
+                        continue
                     budget -= 1
                     self._handle(*client, listener)
                     self._serve_taken()  # what _on_alarm took meanwhile
@@ -327,10 +333,16 @@ class SyncWorker(Pipeline):
         """TTOU: serve the clients already queued, then close every listener of ours. The pause
         stays requested until then: each of those clients is answered with Connection: close,
         or a kept-alive one would keep us (and the port) for as long as it sends."""
+        settle = time.monotonic() + NEW_CONNECTION_GRACE
+        coming = any([self.deferred_coming(listener, settle) for listener in self.listeners])
         while self.state is RUNNING:
             accepted = self._accept()
             if accepted is None:
-                break
+                if not coming:
+                    break
+                time.sleep(DEFERRED_WAIT)
+                coming = any([self.deferred_coming(listener, settle) for listener in self.listeners])
+                continue
             self._handle(*accepted)
         for listener in self.listeners:
             listener.sock.close()
