@@ -11,7 +11,7 @@
 Servers (each on 127.0.0.1, a port picked by binding port 0; 2 workers where it has workers):
 ``fs-sync``, ``fs-thread`` (4 threads), ``fs-gevent``: ``python -m forkserve -w 2 --log-level
 warning -k …``; ``fs-thread-pin``: ``fs-thread`` with ``--cpu-affinity`` (each worker on a CPU
-of its own); ``fs-thread-tuned``: with ``--cpu-affinity --sched-batch``; ``gu-sync``, ``gu-gthread`` (4 threads), ``gu-gevent``: gunicorn the same;
+of its own); ``fs-thread-tuned``: with ``--cpu-affinity --sched-batch``; ``fs-sync-defer``: ``fs-sync`` with ``--defer-accept 1``; ``gu-sync``, ``gu-gthread`` (4 threads), ``gu-gevent``: gunicorn the same;
 ``granian`` (``--interface wsgi --workers 2 --no-log``); ``bjoern`` (one process: it has no
 workers); ``uwsgi`` (pyuwsgi's binary, ``--master --processes 2 --disable-logging
 --http11-socket``: ``--http-socket`` answers HTTP/1.1 and then resets a reused connection);
@@ -120,6 +120,7 @@ class ServerSpec:
 
 SERVERS: dict[str, ServerSpec] = {spec.name: spec for spec in (
     ServerSpec("fs-sync", ("forkserve",)),
+    ServerSpec("fs-sync-defer", ("forkserve",), note="--defer-accept 1"),
     ServerSpec("fs-thread", ("forkserve",), note="4 threads"),
     ServerSpec("fs-thread-pin", ("forkserve",), note="4 threads, --cpu-affinity"),
     ServerSpec("fs-thread-tuned", ("forkserve",),
@@ -133,10 +134,11 @@ SERVERS: dict[str, ServerSpec] = {spec.name: spec for spec in (
     ServerSpec("uwsgi", ("pyuwsgi",)),
     ServerSpec("waitress", ("waitress",), one_process=True, note="1 process, 4 threads"),
 )}
-MATCHING = {"fs-sync": "gu-sync", "fs-thread": "gu-gthread", "fs-thread-pin": "gu-gthread",
+MATCHING = {"fs-sync": "gu-sync", "fs-sync-defer": "gu-sync", "fs-thread": "gu-gthread", "fs-thread-pin": "gu-gthread",
             "fs-thread-tuned": "gu-gthread", "fs-gevent": "gu-gevent"}
 # A forkserve configuration's name past its worker class: the flags it adds.
-VARIANTS = {"": [], "pin": ["--cpu-affinity"], "tuned": ["--cpu-affinity", "--sched-batch"]}
+VARIANTS = {"": [], "pin": ["--cpu-affinity"], "tuned": ["--cpu-affinity", "--sched-batch"],
+            "defer": ["--defer-accept", "1"]}
 PEERS = ("granian", "bjoern", "uwsgi", "waitress")
 VERSIONS = ("forkserve", "gunicorn", "gevent", "granian", "bjoern", "pyuwsgi", "waitress",
             "flask", "httptools")
