@@ -77,9 +77,10 @@ class Budget:
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
 
     def _expired(self, signum: int, frame: Any) -> None:
-        self.log.error(f"Worker {self.worker_id} exit-time cleanup still running after "
-                       f"{self.seconds:g}s (--cancel-grace), in its {self.step}; exiting "
-                       "without waiting for it", worker=self.worker_id, step=self.step)
+        self.log.from_handler(40, f"Worker {self.worker_id} exit-time cleanup still running "
+                              f"after {self.seconds:g}s (--cancel-grace), in its {self.step}; "
+                              "exiting without waiting for it",
+                              {"worker": self.worker_id, "step": self.step})
         os._exit(self.code)
 
 

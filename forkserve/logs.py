@@ -391,6 +391,36 @@ class Log:
         if self.lost:  # this line failed too: the count stands, for the next write to tell
             self.lost = lost
 
+    def from_handler(self, level: int, message: str, fields: dict[str, Any]) -> None:
+        """``log`` from a signal handler that may have interrupted anything, even a thread or
+        greenlet half-way into one of :mod:`logging`'s locks (under gevent those are Python
+        locks owned by a greenlet: taking one there waits forever, or raises in the hub).
+        No lock is waited for: the level is read without the logger's cache (whose miss
+        takes the module lock); our handler takes none; any other handler of the logger
+        (syslog, --log-config's, an app's) writes only if its lock is free this instant."""
+        logger: logging.Logger | None = self.logger
+        assert logger is not None
+        if logger.disabled or level < logger.getEffectiveLevel():
+            return
+        record = logger.makeRecord(logger.name, level, __file__, 0, message, (), None,
+                                   extra={"fields": fields})
+        while logger is not None:
+            for handler in logger.handlers:
+                if level < handler.level:
+                    continue
+                lock = None if handler is self.handler else handler.lock
+                if lock is not None and not lock.acquire(blocking=False):
+                    continue  # held: this handler misses the line
+                try:
+                    if handler.filter(record):
+                        handler.emit(record)
+                except Exception:  # (a broken handler must not stop the exit)
+                    pass
+                finally:
+                    if lock is not None:
+                        lock.release()
+            logger = logger.parent if logger.propagate else None
+
     def debug(self, message: str, **fields: Any) -> None:
         if self.logger.isEnabledFor(10):
             self.log(10, message, fields)

@@ -10,6 +10,7 @@ and signals (down).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import gc
 import os
@@ -88,6 +89,9 @@ class HardStop(BaseException):
 
 # Sent by the kernel when the arbiter dies (see _post_fork); nobody else sends it.
 ORPHAN_SIGNAL = signal.SIGPWR
+# An orphaned worker's way out (arbiter_gone) ends within this even if something it does
+# hangs: SIGALRM, at its default action, ends the process.
+ORPHAN_EXIT_DEADLINE = 0.5
 WORKER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGABRT,
                   signal.SIGHUP, signal.SIGUSR2, signal.SIGTTIN, signal.SIGTTOU, signal.SIGWINCH,
                   ORPHAN_SIGNAL)
@@ -191,6 +195,7 @@ class Worker:
         self.lameduck = False  # TTIN: the lameduck began; every response ends its connection
         self.timed_out = False
         self.abort_reported = False  # the timeout kill's stacks are logged (once)
+        self.orphaned = False  # arbiter_gone began: a second call (the other way in) returns
         self.cancelled_at: float | None = None  # when the drain deadline's cancel came
         self.retire_reason = ""
         # Server hooks (forkserve.hooks), and what they are given: the arbiter as it was at
@@ -606,10 +611,11 @@ class Worker:
         stacks = "\n".join(parts)
         message = (f"Worker {self.worker_id} (pid {os.getpid()}) was stuck at the arbiter's "
                    "timeout kill; the stack of every thread")
+        # (A stuck thread may hold a logging lock: stuck in a handler's write, say.)
         if self.log.json:
-            self.log.log(40, message, {"worker": self.worker_id, "stacks": stacks})
+            self.log.from_handler(40, message, {"worker": self.worker_id, "stacks": stacks})
         else:
-            self.log.log(40, message + "\n" + stacks, {"worker": self.worker_id})
+            self.log.from_handler(40, message + "\n" + stacks, {"worker": self.worker_id})
         self.hooks.call("worker_abort", self.log, self.info)
 
     def _on_record(self, signum: int, frame: Any) -> None:
@@ -637,14 +643,28 @@ class Worker:
         drain, no successor to hand clients to) and it holds the port a new instance needs.
         So it leaves now, from wherever it is (the loop, or a signal handler inside a
         request): listeners closed first, requests in flight cut, the access and span logs
-        written out (whole lines), no wait for background tasks."""
-        self._enter(WorkerEvent.ARBITER_GONE)
-        for listener in self.listeners:
-            listener.sock.close()
-        self.log.warning("Arbiter is gone; worker exiting now", worker=self.worker_id,
-                         in_flight=self.counters.in_flight_requests,
-                         connections=self.counters.active_connections)
+        written out (whole lines), no wait for background tasks.
+
+        Both ways in (the loop seeing the alive pipe end, the parent-death signal's handler)
+        come within microseconds of each other, so one may interrupt the other: the second
+        returns and the first goes on. A handler may also find the thread or greenlet it
+        interrupted inside one of logging's locks (gevent's are greenlet-owned Python locks,
+        half-taken until their owner is set): the line is written without waiting for any,
+        and a kernel timer ends the process if anything here still hangs."""
+        if self.orphaned:
+            return
+        self.orphaned = True
         try:
+            with contextlib.suppress(ValueError):  # (not the main thread: the app's handler)
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.setitimer(signal.ITIMER_REAL, ORPHAN_EXIT_DEADLINE)
+            self._enter(WorkerEvent.ARBITER_GONE)
+            for listener in self.listeners:
+                listener.sock.close()
+            self.log.from_handler(30, "Arbiter is gone; worker exiting now",
+                                  {"worker": self.worker_id,
+                                   "in_flight": self.counters.in_flight_requests,
+                                   "connections": self.counters.active_connections})
             if self.access_log is not None:
                 self.access_log.flush_from_handler()
             if self.span_log is not None:

@@ -93,6 +93,27 @@ def app(environ, start_response):
         # Held in flight until the test opens the FIFO for writing and closes it again.
         wait_gate(q["fifo"])
         return _text(start_response, "200 OK", "released")
+    if path == "/block-holding-log-locks":
+        # What a handler for the arbiter's death may interrupt: a request inside logging's
+        # module lock and the lock of a handler on forkserve.error (an app that adds its own,
+        # gunicorn's Flask recipe), held while it waits. Only a worker that takes neither
+        # lock to write its last line gets out.
+        import logging
+
+        error = logging.getLogger("forkserve.error")
+        handler = logging.StreamHandler(open(os.devnull, "w"))
+        error.addHandler(handler)
+        error._cache.clear()  # the next level check of a logger takes the module lock
+        logging._lock.acquire()
+        handler.acquire()
+        try:
+            wait_gate(q["fifo"])
+        finally:
+            handler.release()
+            logging._lock.release()
+            error.removeHandler(handler)
+            handler.stream.close()
+        return _text(start_response, "200 OK", "released")
     if path == "/sleep":
         # A request that takes a while (the workload of the load tests, not a test's wait).
         time.sleep(int(q.get("ms", "200")) / 1000.0)

@@ -159,6 +159,49 @@ def test_our_handler_writes_while_another_thread_holds_its_lock(tmp_path: Path) 
     os.close(log.fd)
 
 
+def test_a_line_from_a_handler_waits_for_no_lock(tmp_path: Path, clean_logging: None) -> None:
+    """Log.from_handler (an orphaned worker's last line, the timeout kill's stacks): another
+    thread holds logging's module lock (with the level cache empty, whose miss takes it) and
+    the lock of an app's handler on our logger. The line is written at once to our file and
+    to the app's free handler; the held one misses it."""
+    log = Log(str(tmp_path / "e.log"))
+    held_handler = logging.StreamHandler(open(tmp_path / "held.log", "w"))
+    free_handler = logging.StreamHandler(open(tmp_path / "free.log", "w"))
+    for handler in (held_handler, free_handler):
+        log.logger.addHandler(handler)
+    log.logger._cache.clear()  # type: ignore[attr-defined]
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with logging._lock, held_handler.lock:  # type: ignore[attr-defined,union-attr]
+            held.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10)
+    writer = threading.Thread(target=log.from_handler,
+                              args=(30, "Arbiter is gone", {"worker": 3}))
+    writer.start()
+    writer.join(10)
+    finished = not writer.is_alive()
+    done.set()
+    holder.join(10)
+    assert finished, "from_handler waited for a lock"
+    assert "Arbiter is gone" in lines(tmp_path / "e.log")[0]
+    assert "worker=3" in lines(tmp_path / "e.log")[0]
+    free_handler.stream.flush()
+    assert (tmp_path / "free.log").read_text() == "Arbiter is gone\n"
+    assert (tmp_path / "held.log").read_text() == ""
+    # Below the logger's level: nothing.
+    log.from_handler(10, "a debug line", {})
+    assert len(lines(tmp_path / "e.log")) == 1
+    for handler in (held_handler, free_handler):
+        log.logger.removeHandler(handler)
+        handler.stream.close()
+    os.close(log.fd)
+
+
 def test_a_held_lock_is_free_in_a_forked_child(tmp_path: Path) -> None:
     log = Log(str(tmp_path / "e.log"))
     app_handler = logging.StreamHandler(open(tmp_path / "app.log", "w"))
