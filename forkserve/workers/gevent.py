@@ -47,7 +47,7 @@ from forkserve.context import RequestCancelled, RequestContext, RequestTimedOut
 from forkserve.sockets import Listener
 from forkserve.workers.base import HardStop, WorkerEvent, WorkerState, drain_pipe
 from forkserve.workers.connection import Abandoned, Connection
-from forkserve.workers.pipeline import DEFERRED_WAIT, NEW_CONNECTION_GRACE, Ending, Pipeline, stop_grace_end
+from forkserve.workers.pipeline import Ending, Pipeline, stop_grace_end
 from forkserve.wsgi import ClientGone
 
 RUNNING = WorkerState.RUNNING
@@ -338,13 +338,7 @@ class GeventWorker(Pipeline):
         # past the deadline they get a 503 instead. Retiring (max-requests) takes no more.
         if self.state is WorkerState.STOPPING and self.takes_queue(listener) or (
                 self.state is RUNNING and self.pause_requested):
-            settle = time.monotonic() + NEW_CONNECTION_GRACE
-            while True:
-                coming = self.deferred_coming(listener, settle)
-                self._accept_ready(listener)
-                if not coming:
-                    break
-                self._gevent.sleep(DEFERRED_WAIT)
+            self.take_queue(listener, lambda: self._accept_ready(listener), self._gevent.sleep)
         elif self.state is WorkerState.CANCELLED:
             self.turn_away_queue([listener])
         listener.sock.close()

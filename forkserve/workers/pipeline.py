@@ -23,7 +23,7 @@ import errno
 import os
 import socket
 import time
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 from forkserve.context import CURRENT, RequestCancelled, RequestContext, RequestTimedOut
 from forkserve.hooks import RequestInfo, ResponseInfo
@@ -351,6 +351,19 @@ class Pipeline(Worker):
         a client is accepted, and closed once that grace passes."""
         return bool(self.settings.defer_accept) and time.monotonic() < until \
             and deferred_connections(listener) > 0
+
+    def take_queue(self, listener: Listener, take_ready: Callable[[], None],
+                   sleep: Callable[[float], None]) -> None:
+        """Stopping or pausing: ``take_ready`` empties the listener's accept queue, again
+        while clients --defer-accept holds back are still coming (see deferred_coming),
+        with ``sleep`` (the worker's own: a thread's, or gevent's) between the looks."""
+        settle = time.monotonic() + NEW_CONNECTION_GRACE
+        while True:
+            coming = self.deferred_coming(listener, settle)
+            take_ready()
+            if not coming:
+                return
+            sleep(DEFERRED_WAIT)
 
     def turn_away_queue(self, listeners: list[Listener],
                         taken: tuple[socket.socket, ...] = ()) -> None:

@@ -42,7 +42,7 @@ from forkserve.context import RequestCancelled, RequestContext, RequestTimedOut
 from forkserve.sockets import Listener
 from forkserve.workers.base import WorkerEvent, WorkerState, drain_pipe
 from forkserve.workers.connection import Abandoned, Connection
-from forkserve.workers.pipeline import DEFERRED_WAIT, NEW_CONNECTION_GRACE, Ending, Pipeline, stop_grace_end
+from forkserve.workers.pipeline import Ending, Pipeline, stop_grace_end
 from forkserve.wsgi import ClientGone
 
 POLLIN = select.POLLIN
@@ -318,13 +318,8 @@ class ThreadWorker(Pipeline):
                 elif state is WorkerState.STOPPING and self.takes_queue(listener) or (
                         state is RUNNING and self.pause_requested):
                     self.limit = 1 << 30  # the queue is served whatever the limit
-                    settle = time.monotonic() + NEW_CONNECTION_GRACE
-                    while True:
-                        coming = self.deferred_coming(listener, settle)
-                        self._accept_into_pool(listener)
-                        if not coming:
-                            break
-                        time.sleep(DEFERRED_WAIT)
+                    self.take_queue(listener, lambda: self._accept_into_pool(listener),
+                                    time.sleep)
                 listener.sock.close()
             self.pause_requested = False
             self.listener_fds = {}

@@ -12,10 +12,11 @@ by hand and noted in bench/RESULTS.md, not asserted here.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -43,20 +44,27 @@ def server_ends(port: int, client_ports: set[int]) -> dict[int, str]:
     return states
 
 
-def silent_clients(port: int) -> list[socket.socket]:
-    """Clients that connect and send nothing (yet)."""
-    return [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(SILENT)]
+@contextlib.contextmanager
+def silent_clients(port: int) -> Iterator[tuple[list[socket.socket], set[int]]]:
+    """Clients that connect and send nothing (yet), and their ports; closed on the way out."""
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(SILENT)]
+    try:
+        yield socks, {sock.getsockname()[1] for sock in socks}
+    finally:
+        for sock in socks:
+            sock.close()
 
 
-def ports_of(socks: list[socket.socket]) -> set[int]:
-    return {sock.getsockname()[1] for sock in socks}
+def wait_ends(server: Server, ports: set[int], state: str, timeout: float, what: str) -> None:
+    """Until the server's end of every connection from ``ports`` is in ``state``."""
+    wait_for(lambda: server_ends(server.port, ports) == dict.fromkeys(ports, state), timeout,
+             lambda: f"{what}: {server_ends(server.port, ports)}")
 
 
 def under_load(server: Server, requests: int = 200) -> Load:
     """16 Connection: close clients, running once they have had ``requests`` responses."""
     load = Load(server.port, threads=16, seconds=60).start()
-    wait_for(lambda: len(load.bodies) >= requests or load.failures, 30,
-             lambda: f"{requests} responses, have {len(load.bodies)}")
+    load.wait_requests(requests, timeout=30)
     return load
 
 
@@ -65,54 +73,38 @@ def test_a_silent_client_waits_in_the_kernel_until_it_sends(server_factory: Any,
                                                             worker_class: str) -> None:
     server = server_factory("--defer-accept", "30", *EVERY_CLASS[worker_class]).wait_ready()
     load = under_load(server)
-    socks = silent_clients(server.port)
     try:
-        ports = ports_of(socks)
-        # Every silent client's connect() returned, and the server's end of each is half-open:
-        # no worker has it, however busy the load keeps them accepting.
-        wait_for(lambda: server_ends(server.port, ports) == dict.fromkeys(ports, SYN_RECV), 10,
-                 lambda: f"deferred: {server_ends(server.port, ports)}")
-        load.wait_requests(200, timeout=30)
-        assert server_ends(server.port, ports) == dict.fromkeys(ports, SYN_RECV)
-        for sock in socks:
-            sock.sendall(REQUEST)
-        for sock in socks:
-            response = read_response(sock)
-            assert response.status == 200, response.status
+        with silent_clients(server.port) as (socks, ports):
+            # Every silent client's connect() returned, and the server's end of each is
+            # half-open: no worker has it, however busy the load keeps them accepting.
+            wait_ends(server, ports, SYN_RECV, 10, "deferred")
+            load.wait_requests(200, timeout=30)
+            assert server_ends(server.port, ports) == dict.fromkeys(ports, SYN_RECV)
+            for sock in socks:
+                sock.sendall(REQUEST)
+            for sock in socks:
+                response = read_response(sock)
+                assert response.status == 200, response.status
     finally:
-        for sock in socks:
-            sock.close()
         load.stop()
     assert load.failures == [], load.failures[:5]
 
 
 def test_without_it_a_silent_client_is_accepted_at_once(server_factory: Any) -> None:
     server = server_factory(*EVERY_CLASS["thread"]).wait_ready()
-    socks = silent_clients(server.port)
-    try:
-        ports = ports_of(socks)
-        wait_for(lambda: server_ends(server.port, ports) == dict.fromkeys(ports, ESTABLISHED), 10,
-                 lambda: f"accepted: {server_ends(server.port, ports)}")
-    finally:
-        for sock in socks:
-            sock.close()
+    with silent_clients(server.port) as (_, ports):
+        wait_ends(server, ports, ESTABLISHED, 10, "accepted")
 
 
 def test_a_client_silent_longer_than_that_is_accepted(server_factory: Any) -> None:
     """After the deferral, a worker takes the connection and --header-timeout applies: the
     client is answered if it sends in time."""
     server = server_factory("--defer-accept", "1", "--header-timeout", "30").wait_ready()
-    socks = silent_clients(server.port)
-    try:
-        ports = ports_of(socks)
-        wait_for(lambda: server_ends(server.port, ports) == dict.fromkeys(ports, ESTABLISHED), 15,
-                 lambda: f"accepted after the deferral: {server_ends(server.port, ports)}")
+    with silent_clients(server.port) as (socks, ports):
+        wait_ends(server, ports, ESTABLISHED, 15, "accepted after the deferral")
         for sock in socks:
             sock.sendall(REQUEST)
             assert read_response(sock).status == 200
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 WITH_AND_WITHOUT = pytest.mark.parametrize("flag", [("--defer-accept", "1"), ()],
@@ -162,14 +154,8 @@ def test_an_upgrade_keeps_it(server_factory: Any) -> None:
         server.signal(signal.SIGUSR2)
         server.wait_log("Upgrade complete", timeout=60)
         load.wait_requests(200, timeout=30)
-        socks = silent_clients(server.port)
-        try:
-            ports = ports_of(socks)
-            wait_for(lambda: server_ends(server.port, ports) == dict.fromkeys(ports, SYN_RECV), 10,
-                     lambda: f"deferred after the upgrade: {server_ends(server.port, ports)}")
-        finally:
-            for sock in socks:
-                sock.close()
+        with silent_clients(server.port) as (_, ports):
+            wait_ends(server, ports, SYN_RECV, 10, "deferred after the upgrade")
     finally:
         load.stop()
     assert load.failures == [], load.failures[:5]

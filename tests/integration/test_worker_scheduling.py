@@ -53,8 +53,7 @@ def worker_number(pid: int) -> int | None:
 def under_load(server: Server, requests: int = 300) -> Load:
     """16 keep-alive clients, running once they have had ``requests`` responses."""
     load = Load(server.port, threads=16, seconds=60, keepalive=True).start()
-    wait_for(lambda: len(load.bodies) >= requests or load.failures, 30,
-             lambda: f"{requests} responses, have {len(load.bodies)}")
+    load.wait_requests(requests, timeout=30)
     return load
 
 
