@@ -293,16 +293,19 @@ NLM_F_REQUEST, NLM_F_DUMP, NLMSG_ERROR, NLMSG_DONE = 0x1, 0x300, 2, 3
 TCP_SYN_RECV, TCP_LISTEN = 3, 10
 
 
-def _listeners_by_diag(family: int) -> list[tuple[str, int, int]]:
-    """(host, port, inode) of every listening TCP socket of ``family``, from the kernel's
-    sock_diag netlink interface: it is asked for LISTEN sockets only, where /proc/net/tcp
-    lists every connection too (tens of thousands of TIME_WAIT entries under load: reading it
-    took the arbiter's loop 100 ms and more)."""
-    return _sockets_by_diag(family, TCP_LISTEN)
+def _tcp_sockets(family: int, state: int) -> list[tuple[str, int, int]]:
+    """(local host, local port, inode) of every TCP socket of ``family`` in ``state`` (a
+    TCP_* state number), from the kernel's sock_diag netlink interface, which is asked for
+    that state only, where /proc/net/tcp (the fallback) lists every connection (tens of
+    thousands of TIME_WAIT entries under load: reading it took the arbiter's loop 100 ms and
+    more). Raises OSError when neither can be read."""
+    try:
+        return _sockets_by_diag(family, state)
+    except OSError:
+        return _sockets_by_proc(family, state)
 
 
 def _sockets_by_diag(family: int, state: int) -> list[tuple[str, int, int]]:
-    """(local host, local port, inode) of every TCP socket of ``family`` in ``state``."""
     # struct inet_diag_req_v2: family, protocol, ext, pad, states; then a zeroed sockid (48)
     request = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 1 << state) + bytes(48)
     header = struct.pack("=IHHII", 16 + len(request), SOCK_DIAG_BY_FAMILY,
@@ -331,7 +334,7 @@ def _sockets_by_diag(family: int, state: int) -> list[tuple[str, int, int]]:
                 offset += (length + 3) & ~3
 
 
-def _listeners_by_proc(family: int, state: int = TCP_LISTEN) -> list[tuple[str, int, int]]:
+def _sockets_by_proc(family: int, state: int) -> list[tuple[str, int, int]]:
     table = "/proc/net/tcp6" if family == socket.AF_INET6 else "/proc/net/tcp"
     with open(table, encoding="ascii") as fh:
         rows = [line.split() for line in fh.readlines()[1:]]
@@ -349,10 +352,7 @@ def deferred_connections(listener: Listener) -> int:
         return 0
     try:
         address = sock.getsockname()[:2]
-        try:
-            found = _sockets_by_diag(sock.family, TCP_SYN_RECV)
-        except OSError:
-            found = _listeners_by_proc(sock.family, TCP_SYN_RECV)
+        found = _tcp_sockets(sock.family, TCP_SYN_RECV)
     except OSError:
         return 0
     return sum(1 for host, port, _ in found if (host, port) == address)
@@ -367,12 +367,9 @@ def other_listeners(sock: socket.socket) -> int:
     except OSError:
         return 0
     try:
-        listeners = _listeners_by_diag(sock.family)
+        listeners = _tcp_sockets(sock.family, TCP_LISTEN)
     except OSError:
-        try:
-            listeners = _listeners_by_proc(sock.family)
-        except OSError:
-            return 0
+        return 0
     return sum(1 for h, p, i in listeners if (h, p) == (host, port) and i != inode)
 
 
@@ -384,12 +381,9 @@ def still_listening(inodes: list[int]) -> bool:
     wanted = set(inodes)
     for family in (socket.AF_INET, socket.AF_INET6):
         try:
-            listeners = _listeners_by_diag(family)
+            listeners = _tcp_sockets(family, TCP_LISTEN)
         except OSError:
-            try:
-                listeners = _listeners_by_proc(family)
-            except OSError:
-                continue
+            continue
         if any(inode in wanted for _, _, inode in listeners):
             return True
     return False

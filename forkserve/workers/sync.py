@@ -33,7 +33,8 @@ from forkserve.context import RequestContext, RequestTimedOut
 from forkserve.sockets import Listener, accept_queue_length, queued_clients
 from forkserve.workers.base import WorkerState
 from forkserve.workers.connection import Connection
-from forkserve.workers.pipeline import DEFERRED_WAIT, NEW_CONNECTION_GRACE, Ending, Pipeline, stop_grace_end
+from forkserve.workers.pipeline import (DEFERRED_WAIT, NEW_CONNECTION_GRACE, Ending, Pipeline,
+                                        stop_grace_end)
 
 POLLIN = select.POLLIN
 RUNNING = WorkerState.RUNNING
