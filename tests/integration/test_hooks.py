@@ -45,6 +45,8 @@ def test_hooks_run_in_order_with_their_arguments(server_factory: Any, tmp_path: 
                                                  worker_class: str) -> None:
     server, log = hooked(server_factory, tmp_path, "-k", worker_class)
     server.wait_ready()
+    # ("Server ready" is logged as readiness begins; when_ready runs right after it.)
+    wait_for(lambda: named(log, "when_ready"), 10, "the when_ready hook")
     arbiter = server.pid
     first = [c["hook"] for c in calls(log)]
     assert first[:2] == ["on_starting", "nworkers_changed"], first
