@@ -110,7 +110,10 @@ def test_workers_past_max_lifetime_are_replaced_each_at_its_own_time(server_fact
         assert 0 <= jitter <= 2 and 2 + jitter - 0.1 <= up <= 2 + jitter + 4, record
         ages.append((up, jitter))
     assert len({r["pid"] for r in records}) == len(records), records
-    assert len({r["time"] for r in records}) == len(records), "two workers left at once"
+    # Each worker draws its own jitter, so they do not all leave together. Two draws can still
+    # be close, and the arbiter then reaps both in one turn (one timestamp): what is checked
+    # is the draws (four the same to 0.1 s: about one run in 8,000).
+    assert len({jitter for _, jitter in ages}) > 1, f"every worker drew the same jitter: {ages}"
     worker_set(server, 2, timeout=15)
     print(f"\n[max-lifetime, {worker_class}] {load.summary()}; (age, jitter) {ages}")
 
