@@ -1,25 +1,19 @@
 """The thread worker: a pool of ``--threads`` request threads per worker process (and spares
 standing in for threads parked on clients that do not read).
 
-Owns: the poll loop (main thread), the pool's own poller, and the hand-offs between them.
-The poll loop accepts, and reads what a new client sends without waiting until its request
-is ready (its whole head, and its body or the first --body-buffer bytes of it; it answers
-100 Continue itself); then it queues the connection for the pool. A pool thread serves the
-requests that are there. A connection kept alive after its response waits for its client's
-next request in the pool's poller, never in a thread: the thread its client wakes reads
-what came, as the loop would, and serves the request if it is all there, else hands the
-connection back to the loop, which watches it until it is (see _keep, _resume). So a
-kept-alive client's request costs one thread's wake-up, not a loop's and a thread's and the
-loop's again (each a hand-off of the GIL). The loop owns every deadline: it ends a kept-alive
-connection at its idle deadline and takes them all back at a stop (_expire_kept,
-_claim_kept); whoever pops a connection from ``kept`` owns it. A whole response (the app
-returned one bytes object) that the client does not take at once is handed back too, and
-the poll loop writes out the rest. A streamed response (an iterable, a file) cannot be: its
-app code runs as it is written. Its thread parks on a client that takes nothing for
-PARK_AFTER, and a spare thread takes its place until it comes back (see park). So N threads
-serve N requests at once while any number of idle, silent or slow clients (slowloris: a
-header byte every few seconds; a client that stopped reading its response) cost a poll entry
-and their bytes, or a parked thread, never one of the N.
+Owns: the poll loop (main thread) and the hand-off of ready connections to the pool. Only the
+main thread changes a connection's place: it accepts, it watches idle keep-alive connections
+(they wait in the poller, never in a thread), it reads what their clients send without
+waiting until a request is ready (its whole head, and its body or the first --body-buffer
+bytes of it; it answers 100 Continue itself), and then hands the connection to a pool
+thread, which serves the requests that are there and hands it back (or closes it). A whole response (the app returned one bytes object) that the
+client does not take at once is handed back too, and the poll loop writes out the rest. A
+streamed response (an iterable, a file) cannot be: its app code runs as it is written. Its
+thread parks on a client that takes nothing for PARK_AFTER, and a spare thread takes its
+place until it comes back (see park). So N threads serve N requests at once while any number
+of idle, silent or slow clients (slowloris: a header byte every few seconds; a client that
+stopped reading its response) cost a poll entry and their bytes, or a parked thread, never
+one of the N.
 
 Cancellation at the drain deadline raises ``RequestCancelled`` asynchronously in each request's
 thread (``PyThreadState_SetAsyncExc``). Honestly: an asynchronous exception is only seen when
@@ -29,10 +23,9 @@ the cancel grace and the kill after it bound the exit. Use the gevent worker whe
 must be interruptible in their waits.
 
 # -- runs in pool threads ------------------------------------------------------------------------
-``_run`` and what it calls run in pool threads; they share with the main thread the two
-queues (work in, connections back), ``kept`` (single dict operations, which CPython performs
-without a thread switch in between: one side pops an entry, never both) and the counters
-(plain int updates, likewise).
+``_run`` and what it calls run in pool threads; they share with the main thread only the two
+queues (work in, connections back) and the counters (plain int updates, which CPython performs
+without a thread switch in between).
 """
 
 from __future__ import annotations
@@ -90,14 +83,8 @@ class ThreadWorker(Pipeline):
         # Idle keep-alive connections cost a poll entry, not a thread: hold up to 1000 (or
         # --max-connections); beyond that, clients wait in the listen backlog.
         self.limit = self.settings.max_connections or 1000
-        # Work for the pool: a connection whose request is ready (None: a thread leaves), one
-        # count of the semaphore a queued item (see _put_work): the threads wait on it in
-        # their own poller, with the kept-alive connections they watch (see _run).
         self.work: queue.SimpleQueue[tuple[Connection, Listener] | None] = queue.SimpleQueue()
-        self.work_fd = os.eventfd(0, os.EFD_SEMAPHORE | os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        # (An ending None: a request a thread began to gather, see _resume.)
-        self.back: queue.SimpleQueue[tuple[Connection, Listener, Ending | None]] = (
-            queue.SimpleQueue())
+        self.back: queue.SimpleQueue[tuple[Connection, Listener, Ending]] = queue.SimpleQueue()
         self.back_r, self.back_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.polling = False  # the poll loop sleeps in poll, not woken yet (see _hand_back)
         self.accept_waits = False  # the loop stopped accepting until a thread is free
@@ -106,6 +93,8 @@ class ThreadWorker(Pipeline):
         self.pool_lock = threading.Lock()  # pool_threads and parked, as threads park or retire
         self.pool_threads: list[threading.Thread] = []
         self.parked = 0  # request threads waiting on a client that does not read (see park)
+        for _ in range(threads):
+            self._spawn()
         self.idle: dict[int, tuple[Connection, Listener, float]] = {}  # fd -> conn, deadline
         # No idle deadline is before this (a lower bound: _expire_idle scans the idle
         # connections only once it has passed, not on every turn of a busy loop).
@@ -120,18 +109,6 @@ class ThreadWorker(Pipeline):
         # epoll_ctl (re-arming it), not an unregister and a register (each a GIL hand-off),
         # and one a thread closes is disarmed: nothing is left that could fire.
         self.poller = select.epoll()
-        # The pool threads' own: the work semaphore, and the kept-alive connections they
-        # watch between requests (see _keep). Its entries are one-shot too; only the main
-        # thread's poller has the listeners.
-        self.pool_poller = select.epoll()
-        self.pool_poller.register(self.work_fd, EPOLLIN)
-        # fd -> a kept-alive connection the pool watches, its listener, its idle deadline; in
-        # the order they came (so in deadline order, within a thread switch: see _expire_kept).
-        # Whoever pops an entry owns its connection: a thread its client woke, or the loop
-        # when it expires or the worker stops.
-        self.kept: dict[int, tuple[Connection, Listener, float]] = {}
-        self.kept_due = 0.0  # no deadline in self.kept is before this (see _expire_kept)
-        self.sleep_until = 0.0  # the loop's wait ends by then (see _keep)
         self.in_epoll: set[int] = set()  # connections' descriptors with an entry (see _watch)
         self.listener_fds = {listener.fd: listener for listener in self.listeners}
         for fd in (self.wakeup_r, self.alive_fd, self.back_r):
@@ -140,8 +117,6 @@ class ThreadWorker(Pipeline):
         self.idle_stopped = False  # the stop's graces were applied to the idle connections
         self.main_ident = threading.get_ident()
         self.timing_lock = threading.Lock()  # the timed requests (--request-timeout)
-        for _ in range(threads):
-            self._spawn()
         try:
             self._loop_threads()
         finally:
@@ -151,7 +126,7 @@ class ThreadWorker(Pipeline):
                 # The timeout kill: SIGKILL follows in moments, waiting on threads is futile.
                 threads_left = [] if self.timed_out else list(self.pool_threads)
             for _ in threads_left:
-                self._put_work(None)
+                self.work.put(None)
             # One deadline for all (spares included), not a grace per thread.
             deadline = time.monotonic() + self.settings.cancel_grace
             for thread in threads_left:
@@ -197,13 +172,8 @@ class ThreadWorker(Pipeline):
             self.before_waiting()
             now = time.monotonic()
             timeout = self.heartbeat_interval
-            # The latest this loop wakes, for the threads that keep a connection (see _keep):
-            # an upper bound first, then the time it is computed below.
-            self.sleep_until = now + timeout + 0.001
             if self.idle:
                 timeout = min(timeout, max(self.idle_due - now, 0))
-            if self.kept:
-                timeout = min(timeout, max(self.kept_due - now, 0))
             if self.flushing:
                 timeout = min(timeout, max(min(f[3] for f in self.flushing.values()) - now, 0))
             if self.lingering:
@@ -213,7 +183,6 @@ class ThreadWorker(Pipeline):
                 timeout = min(timeout, pause)
             if self.request_timeout:
                 timeout = min(timeout, max(self.next_request_deadline(now) - now, 0))
-            self.sleep_until = now + timeout + 0.001
             # A thread hands a connection back with a wake-up byte only while this loop sleeps
             # in poll (see _hand_back): one handed back while it was busy is found here. Set
             # before the look, so that a hand-back after the look sees it and writes the byte.
@@ -243,8 +212,6 @@ class ThreadWorker(Pipeline):
             if handed_back:
                 self._take_back()
             self._expire_idle(time.monotonic())
-            if self.kept:
-                self._expire_kept(time.monotonic())
             if self.flushing:
                 self.end_writes(time.monotonic())
             if self.lingering:
@@ -286,7 +253,7 @@ class ThreadWorker(Pipeline):
             # clients that did send wait behind it.
             ready = self.gather(conn)
             if ready:
-                self._put_work((conn, listener))
+                self.work.put((conn, listener))
                 continue
             if ready is None:
                 continue  # refused
@@ -335,7 +302,7 @@ class ThreadWorker(Pipeline):
             return
         del self.idle[fd]  # (its entry disarmed as it fired)
         if ready:
-            self._put_work((conn, listener))
+            self.work.put((conn, listener))
 
     def _stop_listening(self, state: WorkerState) -> None:
         """Stopping or pausing: clients already queued are served (or, past the deadline,
@@ -356,8 +323,6 @@ class ThreadWorker(Pipeline):
                 listener.sock.close()
             self.pause_requested = False
             self.listener_fds = {}
-        if state is not RUNNING and self.kept:
-            self._claim_kept()
         if state is not RUNNING and not self.idle_stopped:
             self.idle_stopped = True
             for fd, (conn, listener, deadline) in list(self.idle.items()):
@@ -391,12 +356,6 @@ class ThreadWorker(Pipeline):
                 return
             if self.state is WorkerState.CANCELLED or self.state is WorkerState.HALTING:
                 self._release(conn)
-            elif ending is None:
-                # A request a thread began to gather: watched until the rest is here.
-                deadline = self.gathered_until(conn, conn.idle_since + self.settings.keepalive)
-                if self.state is not RUNNING:
-                    deadline = self.stop_deadline(conn, deadline)
-                self._wait_for_client(conn, listener, deadline)
             elif conn.unsent is not None:
                 self.write_later(conn, listener, ending)
             else:
@@ -410,7 +369,7 @@ class ThreadWorker(Pipeline):
         elif ending is not Ending.IDLE:
             self._release(conn)
         elif conn.events:
-            self._put_work((conn, listener))  # pipelined behind the response just written
+            self.work.put((conn, listener))  # pipelined behind the response just written
         else:
             deadline = conn.idle_since + self.settings.keepalive
             if self.state is not RUNNING:
@@ -452,51 +411,16 @@ class ThreadWorker(Pipeline):
                     self._release(conn)
                 elif self.state is WorkerState.STOPPING and conn.readable_now():
                     # Its request came just as the grace ended: answer it, never reset it.
-                    self._put_work((conn, listener))
+                    self.work.put((conn, listener))
                 else:
                     self._release(conn)
         self.idle_due = due
-
-    def _expire_kept(self, now: float) -> None:
-        """Kept-alive connections the pool watches whose idle deadline passed end (one whose
-        request came just now is served). In insertion order, which is deadline order within
-        the moments between a response's end and its thread's insert: the first one not due
-        ends the scan, and bounds the next (a later insert comes with a later deadline, but
-        for those moments)."""
-        if now < self.kept_due:
-            return
-        for fd in _keys(self.kept):
-            entry = self.kept.get(fd)
-            if entry is None:
-                continue  # a thread took it since
-            if now < entry[2]:
-                self.kept_due = entry[2]
-                return
-            if self.kept.pop(fd, None) is None:
-                continue
-            conn, listener = entry[0], entry[1]
-            if conn.readable_now():
-                self._put_work((conn, listener))  # its next request came just now
-            else:
-                self._release(conn)
-        self.kept_due = now + self.settings.keepalive  # (none left: none due before)
-
-    def _claim_kept(self) -> None:
-        """Stopping: the loop takes the kept-alive connections back from the pool, to give
-        them the stop's graces with its own (see _stop_listening). A thread that keeps one
-        after this look wakes the loop (see _keep), so none is missed."""
-        for fd in _keys(self.kept):
-            entry = self.kept.pop(fd, None)
-            if entry is not None:
-                conn, listener, deadline = entry
-                self._idle_until(conn, listener, self.stop_deadline(conn, deadline))
-                self._watch(fd, EPOLLIN_ONCE)
 
     def _release(self, conn: Connection, linger: bool = False) -> None:
         if self.release(conn, linger) and threading.get_ident() != self.main_ident:
             self._wake_main()  # a stopping worker leaves when its last connection is gone
 
-    def _hand_back(self, conn: Connection, listener: Listener, ending: Ending | None) -> None:
+    def _hand_back(self, conn: Connection, listener: Listener, ending: Ending) -> None:
         """-- runs in a pool thread. The connection goes back to the poll loop; a wake-up byte
         only if the loop sleeps in poll (a write, and the loop's read of it, per request
         otherwise), and only one a sleep: the first thread to hand one back clears
@@ -509,11 +433,6 @@ class ThreadWorker(Pipeline):
         if self.polling:
             self.polling = False
             self._wake_main()
-
-    def _put_work(self, item: tuple[Connection, Listener] | None) -> None:
-        """Queue ``item`` for the pool: one count of the semaphore wakes one waiting thread."""
-        self.work.put(item)
-        os.eventfd_write(self.work_fd, 1)
 
     def _wake_main(self) -> None:
         try:
@@ -559,37 +478,16 @@ class ThreadWorker(Pipeline):
         return True
 
     def _run(self) -> None:
-        """A pool thread: it waits in the pool's poller for work the loop queued, or for the
-        next request on a kept-alive connection the pool watches (see _keep), and serves it.
-        So a kept-alive connection's next request wakes one thread, which reads and serves
-        it, with no hand-off through the poll loop: one thread switch a request, not three
-        (the loop's wake-up on the client, the thread's on the queue, the loop's on the
-        hand-back), each of them a hand-off of the GIL."""
-        work_fd = self.work_fd
-        wait = self.pool_poller.poll
-        kept = self.kept
         while True:
             item = None
             try:
-                for fd, _ in wait(-1, 1):
-                    if fd == work_fd:
-                        try:
-                            os.eventfd_read(work_fd)  # (a semaphore: one count)
-                        except BlockingIOError:
-                            continue  # another thread took it
-                        item = self.work.get_nowait()
-                        if item is None:
-                            return
-                        if self.accept_waits and self.work.qsize() < self.settings.threads:
-                            self.accept_waits = False
-                            self._wake_main()  # the loop accepts again (see _backlogged)
-                        self._run_connection(*item)
-                    else:
-                        entry = kept.pop(fd, None)
-                        if entry is None:
-                            continue  # the loop took it back (it expired, or a stop)
-                        item = entry[0], entry[1]
-                        self._resume(*item)
+                item = self.work.get()
+                if item is None:
+                    return
+                if self.accept_waits and self.work.qsize() < self.settings.threads:
+                    self.accept_waits = False
+                    self._wake_main()  # the loop accepts again (see _backlogged)
+                self._run_connection(*item)
             except RequestCancelled:
                 # The drain deadline's asynchronous exception can land at any bytecode: here
                 # it hit a thread whose request had just ended. End its connection all the
@@ -610,9 +508,7 @@ class ThreadWorker(Pipeline):
             self.log.exception("Connection failed", exc, worker=self.worker_id)
             ending = Ending.CLOSE
         conn.owner = None
-        if ending is Ending.IDLE and conn.unsent is None:
-            self._keep(conn, listener)
-        elif ending is Ending.IDLE or conn.unsent is not None or (
+        if ending is Ending.IDLE or conn.unsent is not None or (
                 ending is Ending.LINGER and conn.defer_writes):
             # Back to the main thread, which writes out what the client has not taken yet,
             # and watches it (applying a stop's grace), drains it before closing (a
@@ -620,40 +516,6 @@ class ThreadWorker(Pipeline):
             self._hand_back(conn, listener, ending)
         else:
             self._release(conn, linger=ending is Ending.LINGER)
-
-    def _keep(self, conn: Connection, listener: Listener) -> None:
-        """-- runs in a pool thread. A kept-alive connection whose response is out (and no
-        pipelined request behind it: serve_connection served those) waits for its client's
-        next request in the pool's poller, not the loop's (see _run); the loop ends it at its
-        idle deadline (_expire_kept) or takes it back at a stop (_claim_kept). In the dict
-        first, then armed: the thread its client wakes finds it there."""
-        fd = conn.fd
-        deadline = conn.idle_since + self.settings.keepalive
-        self.kept[fd] = (conn, listener, deadline)
-        try:
-            self.pool_poller.modify(fd, EPOLLIN_ONCE)
-        except FileNotFoundError:  # its first wait here (or a new socket on a reused fd)
-            self.pool_poller.register(fd, EPOLLIN_ONCE)
-        # The loop is woken if it would sleep past this deadline (it looked at self.kept
-        # before the insert, or found none there: no later wake-up of its own is due), or if
-        # it may have claimed the others for a stop already. Looked at after the insert: a
-        # loop that had not seen it yet has set sleep_until to its bound before it looks.
-        # Else none: kept connections come in deadline order, the loop wakes by the first's.
-        if deadline < self.sleep_until or self.state is not RUNNING:
-            self._wake_main()
-
-    def _resume(self, conn: Connection, listener: Listener) -> None:
-        """-- runs in a pool thread. The client of a kept-alive connection the pool watched
-        sent something: read it (without waiting, as the loop would), and serve the request
-        once it is ready; one not all here yet goes to the loop, which watches it until it
-        is (a thread never waits on a client)."""
-        ready = self.gather(conn)
-        if ready:
-            self._run_connection(conn, listener)
-        elif ready is False:
-            self._hand_back(conn, listener, None)
-        elif self.state is not RUNNING:
-            self._wake_main()  # (refused and closed by gather): it may have been the last
 
     # -- cancellation ------------------------------------------------------------------------
     # --request-timeout: the poll loop watches the timed requests (its wait is never longer
@@ -715,16 +577,6 @@ class ThreadWorker(Pipeline):
         for conn in list(self.connections):
             if conn.taken:
                 conn.cut()
-
-
-def _keys(table: dict[int, Any]) -> tuple[int, ...]:
-    """The keys of a dict pool threads change (the loop's look at ``ThreadWorker.kept``):
-    a copy made in one go, again should a thread change it during the copy."""
-    while True:
-        try:
-            return tuple(table)
-        except RuntimeError:  # (changed size during iteration)
-            continue
 
 
 def _raise_in(ident: int, exc_type: type[BaseException] | None) -> None:
