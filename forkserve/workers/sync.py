@@ -33,8 +33,7 @@ from forkserve.context import RequestContext, RequestTimedOut
 from forkserve.sockets import Listener, accept_queue_length, queued_clients
 from forkserve.workers.base import WorkerState
 from forkserve.workers.connection import Connection
-from forkserve.workers.pipeline import (DEFERRED_WAIT, NEW_CONNECTION_GRACE, Ending, Pipeline,
-                                        stop_grace_end)
+from forkserve.workers.pipeline import Ending, Pipeline, stop_grace_end
 
 POLLIN = select.POLLIN
 RUNNING = WorkerState.RUNNING
@@ -301,24 +300,25 @@ class SyncWorker(Pipeline):
         self._serve_taken()
         for listener in self.listeners:
             if self.takes_queue(listener):
-                budget = queued_clients([listener]) + socket.SOMAXCONN
-                settle = time.monotonic() + NEW_CONNECTION_GRACE
-                coming = self.deferred_coming(listener, settle)
-                while budget > 0 and self.state is WorkerState.STOPPING:
-                    client = self.accept_from(listener)
-                    if client is None:
-                        if not coming:
-                            break
-                        time.sleep(DEFERRED_WAIT)
-                        coming = self.deferred_coming(listener, settle)
-                        continue
-                    budget -= 1
-                    self._handle(*client, listener)
-                    self._serve_taken()  # what _on_alarm took meanwhile
+                budget = [queued_clients([listener]) + socket.SOMAXCONN]
+                self.take_queue(listener, lambda: self._take_ready(listener, budget),
+                                time.sleep)
             listener.sock.close()
             self.listeners_changed = True  # (_poll_main forgets it)
         if self.state is WorkerState.CANCELLED:
             self._turn_away_queue()  # the deadline passed meanwhile: what is left gets a 503
+
+    def _take_ready(self, listener: Listener, budget: list[int]) -> bool:
+        """(Pipeline.take_queue) Stopping: serve the clients queued on ``listener`` one at a
+        time, while the worker is stopping and ``budget[0]`` (shared by the looks) lasts."""
+        while budget[0] > 0 and self.state is WorkerState.STOPPING:
+            client = self.accept_from(listener)
+            if client is None:
+                return True
+            budget[0] -= 1
+            self._handle(*client, listener)
+            self._serve_taken()  # what _on_alarm took meanwhile
+        return False
 
     def _serve_taken(self) -> None:
         """The clients _on_alarm took from the queue while this worker was busy."""
@@ -334,21 +334,21 @@ class SyncWorker(Pipeline):
         """TTOU: serve the clients already queued, then close every listener of ours. The pause
         stays requested until then: each of those clients is answered with Connection: close,
         or a kept-alive one would keep us (and the port) for as long as it sends."""
-        settle = time.monotonic() + NEW_CONNECTION_GRACE
-        coming = any([self.deferred_coming(listener, settle) for listener in self.listeners])
-        while self.state is RUNNING:
-            accepted = self._accept()
-            if accepted is None:
-                if not coming:
-                    break
-                time.sleep(DEFERRED_WAIT)
-                coming = any([self.deferred_coming(listener, settle) for listener in self.listeners])
-                continue
-            self._handle(*accepted)
         for listener in self.listeners:
+            self.take_queue(listener, lambda: self._take_paused(listener), time.sleep)
             listener.sock.close()
         self._forget_closed_listeners()
         self.pause_requested = False
+
+    def _take_paused(self, listener: Listener) -> bool:
+        """(Pipeline.take_queue) Pausing: serve the clients queued on ``listener``, one at a
+        time, while the worker still runs."""
+        while self.state is RUNNING:
+            accepted = self.accept_from(listener)
+            if accepted is None:
+                return True
+            self._handle(*accepted, listener)
+        return False
 
     def _forget_closed_listeners(self) -> None:
         """Unregister listeners closed (here or by a signal handler) before polling again: their
