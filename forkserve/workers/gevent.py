@@ -338,11 +338,7 @@ class GeventWorker(Pipeline):
         # past the deadline they get a 503 instead. Retiring (max-requests) takes no more.
         if self.state is WorkerState.STOPPING and self.takes_queue(listener) or (
                 self.state is RUNNING and self.pause_requested):
-            def take_ready() -> bool:
-                self._accept_ready(listener)
-                return True
-
-            self.take_queue(listener, take_ready, self._gevent.sleep)
+            self.take_queue(listener, lambda: self._accept_ready(listener), self._gevent.sleep)
         elif self.state is WorkerState.CANCELLED:
             self.turn_away_queue([listener])
         listener.sock.close()

@@ -262,10 +262,6 @@ class ThreadWorker(Pipeline):
                 deadline = self.stop_deadline(conn, deadline)
             self._wait_for_client(conn, listener, self.gathered_until(conn, deadline))
 
-    def _take_ready(self, listener: Listener) -> bool:  # (Pipeline.take_queue)
-        self._accept_into_pool(listener)
-        return True
-
     def _wait_for_client(self, conn: Connection, listener: Listener, deadline: float) -> None:
         """The main thread watches ``conn`` until its client's request is ready (then a thread
         serves it) or ``deadline`` passes (then it is closed, or refused if it began)."""
@@ -322,7 +318,8 @@ class ThreadWorker(Pipeline):
                 elif state is WorkerState.STOPPING and self.takes_queue(listener) or (
                         state is RUNNING and self.pause_requested):
                     self.limit = 1 << 30  # the queue is served whatever the limit
-                    self.take_queue(listener, lambda: self._take_ready(listener), time.sleep)
+                    self.take_queue(listener, lambda: self._accept_into_pool(listener),
+                                    time.sleep)
                 listener.sock.close()
             self.pause_requested = False
             self.listener_fds = {}
