@@ -26,6 +26,7 @@ from __future__ import annotations
 import select
 import signal
 import socket
+import sys
 import time
 from typing import Any
 
@@ -301,23 +302,25 @@ class SyncWorker(Pipeline):
         for listener in self.listeners:
             if self.takes_queue(listener):
                 budget = [queued_clients([listener]) + socket.SOMAXCONN]
-                self.take_queue(listener, lambda: self._take_ready(listener, budget),
-                                time.sleep)
+                self.take_queue(
+                    listener, lambda: self._take_queued(listener, WorkerState.STOPPING, budget),
+                    time.sleep)
             listener.sock.close()
             self.listeners_changed = True  # (_poll_main forgets it)
         if self.state is WorkerState.CANCELLED:
             self._turn_away_queue()  # the deadline passed meanwhile: what is left gets a 503
 
-    def _take_ready(self, listener: Listener, budget: list[int]) -> bool:
-        """(Pipeline.take_queue) Stopping: serve the clients queued on ``listener`` one at a
-        time, while the worker is stopping and ``budget[0]`` (shared by the looks) lasts."""
-        while budget[0] > 0 and self.state is WorkerState.STOPPING:
+    def _take_queued(self, listener: Listener, state: WorkerState, budget: list[int]) -> bool:
+        """(Pipeline.take_queue) Stopping or pausing: serve the clients queued on
+        ``listener`` one at a time, while the worker stays in ``state`` and ``budget[0]``
+        (shared by the looks) lasts; False once either ends."""
+        while budget[0] > 0 and self.state is state:
             client = self.accept_from(listener)
             if client is None:
                 return True
             budget[0] -= 1
             self._handle(*client, listener)
-            self._serve_taken()  # what _on_alarm took meanwhile
+            self._serve_taken()  # what _on_alarm took meanwhile (stopping only)
         return False
 
     def _serve_taken(self) -> None:
@@ -335,20 +338,12 @@ class SyncWorker(Pipeline):
         stays requested until then: each of those clients is answered with Connection: close,
         or a kept-alive one would keep us (and the port) for as long as it sends."""
         for listener in self.listeners:
-            self.take_queue(listener, lambda: self._take_paused(listener), time.sleep)
+            unbounded = [sys.maxsize]
+            self.take_queue(listener, lambda: self._take_queued(listener, RUNNING, unbounded),
+                            time.sleep)
             listener.sock.close()
         self._forget_closed_listeners()
         self.pause_requested = False
-
-    def _take_paused(self, listener: Listener) -> bool:
-        """(Pipeline.take_queue) Pausing: serve the clients queued on ``listener``, one at a
-        time, while the worker still runs."""
-        while self.state is RUNNING:
-            accepted = self.accept_from(listener)
-            if accepted is None:
-                return True
-            self._handle(*accepted, listener)
-        return False
 
     def _forget_closed_listeners(self) -> None:
         """Unregister listeners closed (here or by a signal handler) before polling again: their
