@@ -166,7 +166,13 @@ class Worker:
         """Run by the arbiter before its first fork: import what every worker of this class
         would import after the fork, so that the workers share those pages (copy-on-write)
         instead of each building its own. Nothing may run here that a fork cannot inherit (a
-        thread, a hub, a monkey-patch)."""
+        thread, a hub, a monkey-patch).
+
+        Every class shares hashlib: nearly every application imports it (Flask and Werkzeug,
+        Django, hmac and secrets), and its import initialises OpenSSL's libcrypto, which done
+        after the fork cost each Flask worker 1.3 MiB of RSS (a hello worker that never imports
+        it pays 0.5 MiB for it; bench/RESULTS.md, "Worker memory")."""
+        import hashlib  # noqa: F401
 
     def __init__(self, worker_id: int, generation: int, settings: WorkerSettings,
                  listeners: list[Listener], counter_fd: int, alive_fd: int, log: Log,

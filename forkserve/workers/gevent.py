@@ -220,6 +220,7 @@ class GeventWorker(Pipeline):
 
     @classmethod
     def share_imports(cls) -> None:
+        super().share_imports()
         for name in SHARED_MODULES:
             importlib.import_module(name)
 
