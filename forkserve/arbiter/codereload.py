@@ -22,11 +22,13 @@ import select
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from forkserve.lifecycle import State
-from forkserve.reloader import ChangeFilter, Watcher, watch_plan
 from forkserve.arbiter.part import Part
+
+if TYPE_CHECKING:
+    from forkserve.reloader import Watcher
 
 QUIET = 0.3  # seconds without a new change before the reload
 MOST_WAIT = 3.0  # seconds after the first change at the latest (a file written continuously)
@@ -45,6 +47,10 @@ class CodeReload(Part):
     def start_watching(self) -> None:
         if not self.config.reload:
             return
+        # Imported here, at the start (--reload is not reloadable): no worker of a server
+        # without it carries the watcher's code and its queue module.
+        from forkserve.reloader import ChangeFilter, Watcher, watch_plan
+
         cwd = os.getcwd()  # the --chdir directory: where the application is imported from
         plan = watch_plan(self.config.app, cwd, self.config.reload_extra_file, sys.path)
         accepts = ChangeFilter(plan, self.config.reload_include, self.config.reload_exclude)

@@ -5,7 +5,8 @@ here only which modules are there, which does not depend on the machine).
   formatted by forkserve), logging.config and logging.handlers (--log-config, --log-syslog),
   tempfile (--pid, metrics), configparser (an INI --log-config), the idna codec (a str host
   name given to getaddrinfo), sysconfig (wording an import error), subprocess (the USR2
-  upgrade's check). Each was 0.2 to 2 MiB of every worker's RSS.
+  upgrade's check), forkserve.reloader and its queue module (--reload). Each was 0.1 to
+  2 MiB of every worker's RSS.
 - A gevent server's arbiter has imported gevent's modules and ssl before forking, unpatched,
   so that every worker shares those pages instead of building its own (4 MiB a worker).
 - Every server's arbiter has imported hashlib, so OpenSSL's libcrypto is initialised once,
@@ -25,7 +26,8 @@ from tests.harness import get, wait_for
 
 CLASS_ARGS = {"sync": (), "thread": ("-k", "thread", "--threads", "4"), "gevent": ("-k", "gevent")}
 OPTIONAL = ("email", "email.utils", "logging.config", "logging.handlers", "tempfile",
-            "configparser", "encodings.idna", "sysconfig", "socketserver", "subprocess")
+            "configparser", "encodings.idna", "sysconfig", "socketserver", "subprocess",
+            "forkserve.reloader")
 # gevent's patch_all looks for plugins with importlib.metadata, which imports email (as
 # gunicorn's gevent worker does too), and patches subprocess: everything else holds for gevent
 # as well.
