@@ -352,13 +352,13 @@ class Pipeline(Worker):
         return bool(self.settings.defer_accept) and time.monotonic() < until \
             and deferred_connections(listener) > 0
 
-    def take_queue(self, listener: Listener, take_ready: Callable[[], bool | None],
+    def take_queue(self, listener: Listener, take_ready: Callable[[], object],
                    sleep: Callable[[float], None]) -> None:
         """Stopping or pausing: ``take_ready`` empties the listener's accept queue, again
         while clients --defer-accept holds back are still coming (see deferred_coming),
         with ``sleep`` (the worker's own: a thread's, or gevent's) between the looks; it
         returns False to take no more (the sync worker: its state moved on, or its bound
-        was reached)."""
+        was reached), anything else to go on (the thread worker's count taken, even 0)."""
         settle = time.monotonic() + NEW_CONNECTION_GRACE
         while True:
             coming = self.deferred_coming(listener, settle)

@@ -13,6 +13,7 @@ threads of ``tests.load.Load``.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
@@ -23,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import get, wait_for
+from tests.harness import get, read_response, wait_for
 from tests.load import Load
 
 CLASSES = ["sync", "thread", "gevent"]
@@ -87,6 +88,61 @@ def test_silent_connections_do_not_hold_up_clients_that_sent(server_factory: Any
     finally:
         for sock in silent:
             sock.close()
+
+
+@by_worker_class
+def test_a_burst_of_new_clients_is_not_kept_waiting_behind_kept_alive_ones(
+        server_factory: Any, worker_class: str) -> None:
+    """One worker kept busy by 32 kept-alive clients (hey), then 512 new clients at once:
+    each new client's request is answered within a few rounds of the kept-alive clients'
+    requests, not after dozens. The worker is stopped (SIGSTOP) while the new clients connect
+    and send, so that all of them are in its listen queue when it goes on, whatever the
+    machine's speed. The app answers each request with its place in the worker's order of
+    service: between the first and the last new client's answer, the worker answers the
+    512 and, for each round it makes, up to one request of each kept-alive client. Taking a
+    thread's worth of new clients a turn (the thread worker before its accept rounds grew),
+    that was 100 to 125 rounds; now 6 to 12 (sync 0 to 1, gevent 10 to 18), beside two busy
+    loops too."""
+    new, kept_alive, most_rounds = 512, 32, 40
+    server = server_factory(*class_args(worker_class), "--backlog", "2048",
+                            app="tests.apps.served:app", workers=1).wait_ready()
+    wait_for(lambda: _accepts(server.port), 15, "the port to accept")
+    if shutil.which("hey") is None:
+        pytest.fail("hey is not installed (apt-get install hey; .ci/run installs it)")
+    hey = subprocess.Popen(["hey", "-z", "60s", "-c", str(kept_alive), server.url + "/"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = server.workers()[0]
+    burst: list[socket.socket] = []
+    try:
+        # The kept-alive clients are all connected and served (their first 50 rounds).
+        wait_for(lambda: int(get(server.port, "/").body) > 50 * kept_alive, 30,
+                 "the kept-alive load to flow")
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            for _ in range(new):
+                sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+                burst.append(sock)
+                sock.sendall(b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        places = []
+        for sock in burst:
+            response = read_response(sock, 30)
+            assert response.status == 200, response
+            places.append(int(response.body))
+    finally:
+        hey.terminate()
+        hey.wait(10)
+        for sock in burst:
+            sock.close()
+    spread = max(places) - min(places)
+    rounds = (spread - new) / kept_alive
+    print(f"\n[{worker_class}] {new} new clients answered within {spread} answers "
+          f"(about {rounds:.1f} rounds of the kept-alive clients)")
+    assert spread <= new + most_rounds * kept_alive, (
+        f"the new clients' answers were {spread} answers apart: about {rounds:.0f} rounds "
+        f"of the {kept_alive} kept-alive clients' requests")
+    assert "Traceback" not in server.log_text(), server.log_text()
 
 
 def _accepts(port: int) -> bool:
