@@ -170,8 +170,9 @@ class Worker:
 
         Every class shares hashlib: nearly every application imports it (Flask and Werkzeug,
         Django, hmac and secrets), and its import initialises OpenSSL's libcrypto, which done
-        after the fork cost each Flask worker 1.3 MiB of RSS (a hello worker that never imports
-        it pays 0.5 MiB for it; bench/RESULTS.md, "Worker memory")."""
+        after the fork cost each Flask worker 2.1 MiB of RSS (a hello worker, which does not
+        import it, pays 1.4 MiB and stays under gunicorn's; bench/RESULTS.md, "Worker memory
+        with Flask")."""
         import hashlib  # noqa: F401
 
     def __init__(self, worker_id: int, generation: int, settings: WorkerSettings,
