@@ -88,7 +88,9 @@ class ThreadWorker(Pipeline):
         self.back: queue.SimpleQueue[tuple[Connection, Listener, Ending]] = queue.SimpleQueue()
         self.back_r, self.back_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.polling = False  # the poll loop sleeps in poll, not woken yet (see _hand_back)
-        self.accept_round = threads  # new clients the listener's next turn may take in
+        self.accept_rounds: dict[int, int] = {}  # listener fd -> new clients its next turn takes
+        self.was_backlogged = False  # the last turn of the loop did not listen (_backlogged)
+        self.after_pause = False  # ... and this one does
         self.accept_waits = False  # the loop stopped accepting until a thread is free
         self.backlog_until = 0.0  # ... or until then (see _backlogged)
         self.signal_polls = threading.local()
@@ -159,6 +161,10 @@ class ThreadWorker(Pipeline):
             if state is RUNNING and not self.pause_requested:
                 now = time.monotonic()
                 backlogged = self._backlogged(now)
+                # The listener was off for a while (a sibling could take new clients): see
+                # _accept_round.
+                self.after_pause = self.was_backlogged and not backlogged
+                self.was_backlogged = backlogged
                 if backlogged:  # (the loop's wait below ends when the pause does)
                     pause = max(min(pause or BACKLOG_PAUSE, self.backlog_until - now), 1e-4)
                 self._listen(self.counters.active_connections < self.limit and not pause
@@ -242,15 +248,20 @@ class ThreadWorker(Pipeline):
         """A listener's turn takes in at most a round of new clients. The first round is a
         thread's worth: a worker that took a whole burst of kept-alive clients kept them, and
         their latency, while its sibling idled; in rounds (and with _backlogged's pause
-        between them) the workers share a burst as they share the queue. A round that left
-        clients waiting doubles the next, up to ROUND_MOST: when every worker is busy, no
-        sibling takes them, and at a thread's worth a turn the last of 500 clients that came
-        at once waited 0.5 to 1.4 s in the listen queue on one worker (0.1 s on two), while
-        the kept-alive clients were served every turn."""
-        if self._accept_into_pool(listener, self.accept_round) == self.accept_round:
-            self.accept_round = min(self.accept_round * 2, ROUND_MOST)
-        else:
-            self.accept_round = self.settings.threads
+        between them) the workers share a burst as they share the queue. A round after such
+        a pause which took all it could (clients were still there: no sibling took them, every
+        worker is busy) doubles the next, up to ROUND_MOST; one that found the queue empty
+        resets it, and one that did not follow a pause leaves it as it is. At a
+        thread's worth a turn, the last of 500 clients that came at once to busy workers
+        waited 0.5 to 1.4 s in the listen queue on one worker (0.1 s on two), while the
+        kept-alive clients were served every turn."""
+        threads = self.settings.threads
+        fd = listener.fd
+        at_most = self.accept_rounds.get(fd, threads)
+        if self._accept_into_pool(listener, at_most) < at_most:
+            self.accept_rounds[fd] = threads  # the queue was found empty
+        elif self.after_pause:
+            self.accept_rounds[fd] = min(at_most * 2, max(ROUND_MOST, threads))
 
     def _accept_into_pool(self, listener: Listener, at_most: int = 1 << 30) -> int:
         """Take in up to ``at_most`` waiting clients of ``listener``: how many it took."""

@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -101,9 +102,12 @@ def test_a_burst_of_new_clients_is_not_kept_waiting_behind_kept_alive_ones(
     service: between the first and the last new client's answer, the worker answers the
     512 and, for each round it makes, up to one request of each kept-alive client. Taking a
     thread's worth of new clients a turn (the thread worker before its accept rounds grew),
-    that was 100 to 125 rounds; now 6 to 12 (sync 0 to 1, gevent 10 to 18), beside two busy
+    that was 100 to 125 rounds; now 8 to 15 (sync 0 to 1, gevent 10 to 19), beside two busy
     loops too."""
     new, kept_alive, most_rounds = 512, 32, 40
+    somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    if somaxconn < new + kept_alive + 8:  # (128 before Linux 5.4: the queue would be cut)
+        pytest.skip(f"net.core.somaxconn is {somaxconn}: too short a listen queue for {new}")
     server = server_factory(*class_args(worker_class), "--backlog", "2048",
                             app="tests.apps.served:app", workers=1).wait_ready()
     wait_for(lambda: _accepts(server.port), 15, "the port to accept")

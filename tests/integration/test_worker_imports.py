@@ -10,7 +10,7 @@ here only which modules are there, which does not depend on the machine).
 - A gevent server's arbiter has imported gevent's modules and ssl before forking, unpatched,
   so that every worker shares those pages instead of building its own (4 MiB a worker).
 - Every server's arbiter has imported hashlib, so OpenSSL's libcrypto is initialised once,
-  there, and not in each worker that imports it (1.3 MiB a Flask worker).
+  there, and not in each worker that imports it (2.1 MiB a Flask worker).
 """
 
 from __future__ import annotations
