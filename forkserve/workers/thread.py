@@ -54,7 +54,7 @@ RUNNING = WorkerState.RUNNING
 # Spare threads at most, each standing in for a request thread parked on a client that does
 # not take its streamed response (see park): beyond them, a parked request holds its thread.
 SPARE_LIMIT = 64
-ROUND_MOST = 64  # new clients a listener's turn takes in at most (see _accept_round)
+ROUND_MOST = 64  # new clients a listener's turn takes in at most, or --threads if more
 BACKLOG_PAUSE = 0.002  # seconds a backlogged worker leaves new clients to its siblings at most
 
 
@@ -89,6 +89,7 @@ class ThreadWorker(Pipeline):
         self.back_r, self.back_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.polling = False  # the poll loop sleeps in poll, not woken yet (see _hand_back)
         self.accept_rounds: dict[int, int] = {}  # listener fd -> new clients its next turn takes
+        self.accept_grown: dict[int, float] = {}  # listener fd -> when its round last doubled
         self.was_backlogged = False  # the last turn of the loop did not listen (_backlogged)
         self.after_pause = False  # ... and this one does
         self.accept_waits = False  # the loop stopped accepting until a thread is free
@@ -249,9 +250,9 @@ class ThreadWorker(Pipeline):
         thread's worth: a worker that took a whole burst of kept-alive clients kept them, and
         their latency, while its sibling idled; in rounds (and with _backlogged's pause
         between them) the workers share a burst as they share the queue. A round after such
-        a pause which took all it could (clients were still there: no sibling took them, every
-        worker is busy) doubles the next, up to ROUND_MOST; one that found the queue empty
-        resets it, and one that did not follow a pause leaves it as it is. At a
+        a pause which took a whole round (clients may still be waiting: no sibling took them,
+        every worker is busy) doubles the next, up to ROUND_MOST, once a BACKLOG_PAUSE at
+        most; one that found the queue empty resets it, and any other leaves it. At a
         thread's worth a turn, the last of 500 clients that came at once to busy workers
         waited 0.5 to 1.4 s in the listen queue on one worker (0.1 s on two), while the
         kept-alive clients were served every turn."""
@@ -259,9 +260,16 @@ class ThreadWorker(Pipeline):
         fd = listener.fd
         at_most = self.accept_rounds.get(fd, threads)
         if self._accept_into_pool(listener, at_most) < at_most:
-            self.accept_rounds[fd] = threads  # the queue was found empty
+            # The queue was found empty (or the connection limit, or an accept error, ended
+            # the round).
+            self.accept_rounds[fd] = threads
         elif self.after_pause:
-            self.accept_rounds[fd] = min(at_most * 2, max(ROUND_MOST, threads))
+            # At most one doubling a BACKLOG_PAUSE: a pause that a freed thread cut short
+            # after microseconds gave a sibling no real chance (4 rounds to a c=50 burst).
+            now = time.monotonic()
+            if now - self.accept_grown.get(fd, 0.0) >= BACKLOG_PAUSE:
+                self.accept_grown[fd] = now
+                self.accept_rounds[fd] = min(at_most * 2, max(ROUND_MOST, threads))
 
     def _accept_into_pool(self, listener: Listener, at_most: int = 1 << 30) -> int:
         """Take in up to ``at_most`` waiting clients of ``listener``: how many it took."""
