@@ -91,7 +91,6 @@ class ThreadWorker(Pipeline):
         self.accept_rounds: dict[int, int] = {}  # listener fd -> new clients its next turn takes
         self.accept_grown: dict[int, float] = {}  # listener fd -> when its round last doubled
         self.was_backlogged = False  # the last turn of the loop did not listen (_backlogged)
-        self.after_pause = False  # ... and this one does
         self.accept_waits = False  # the loop stopped accepting until a thread is free
         self.backlog_until = 0.0  # ... or until then (see _backlogged)
         self.signal_polls = threading.local()
@@ -159,12 +158,13 @@ class ThreadWorker(Pipeline):
         while True:
             state = self.state
             pause = self.accept_paused_for()  # out of descriptors: retry in a moment
+            after_pause = False
             if state is RUNNING and not self.pause_requested:
                 now = time.monotonic()
                 backlogged = self._backlogged(now)
                 # The listener was off for a while (a sibling could take new clients): see
                 # _accept_round.
-                self.after_pause = self.was_backlogged and not backlogged
+                after_pause = self.was_backlogged and not backlogged
                 self.was_backlogged = backlogged
                 if backlogged:  # (the loop's wait below ends when the pause does)
                     pause = max(min(pause or BACKLOG_PAUSE, self.backlog_until - now), 1e-4)
@@ -214,7 +214,7 @@ class ThreadWorker(Pipeline):
                 elif fd in self.lingering:
                     self.linger_more(fd)
                 elif fd in self.listener_fds:
-                    self._accept_round(self.listener_fds[fd])
+                    self._accept_round(self.listener_fds[fd], after_pause)
             if handed_back:
                 self._take_back()
             self._expire_idle(time.monotonic())
@@ -245,7 +245,7 @@ class ThreadWorker(Pipeline):
             self.backlog_until = now + BACKLOG_PAUSE
         return True
 
-    def _accept_round(self, listener: Listener) -> None:
+    def _accept_round(self, listener: Listener, after_pause: bool) -> None:
         """A listener's turn takes in at most a round of new clients. The first round is a
         thread's worth: a worker that took a whole burst of kept-alive clients kept them, and
         their latency, while its sibling idled; in rounds (and with _backlogged's pause
@@ -263,7 +263,7 @@ class ThreadWorker(Pipeline):
             # The queue was found empty (or the connection limit, or an accept error, ended
             # the round).
             self.accept_rounds[fd] = threads
-        elif self.after_pause:
+        elif after_pause:
             # At most one doubling a BACKLOG_PAUSE: a pause that a freed thread cut short
             # after microseconds gave a sibling no real chance (4 rounds to a c=50 burst).
             now = time.monotonic()

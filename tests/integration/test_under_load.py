@@ -40,10 +40,14 @@ def class_args(worker_class: str, threads: int = 4) -> tuple[str, ...]:
     return ()
 
 
-def hey(url: str, requests: int, concurrency: int, timeout: int = 5) -> dict[str, Any]:
-    """Run Debian's ``hey`` (keep-alive clients); status counts and error lines."""
+def require_hey() -> None:
     if shutil.which("hey") is None:
         pytest.fail("hey is not installed (apt-get install hey; .ci/run installs it)")
+
+
+def hey(url: str, requests: int, concurrency: int, timeout: int = 5) -> dict[str, Any]:
+    """Run Debian's ``hey`` (keep-alive clients); status counts and error lines."""
+    require_hey()
     out = subprocess.run(["hey", "-n", str(requests), "-c", str(concurrency), "-t", str(timeout),
                           url], capture_output=True, text=True, timeout=120).stdout
     statuses = {int(code): int(count)
@@ -111,8 +115,7 @@ def test_a_burst_of_new_clients_is_not_kept_waiting_behind_kept_alive_ones(
     server = server_factory(*class_args(worker_class), "--backlog", "2048",
                             app="tests.apps.served:app", workers=1).wait_ready()
     wait_for(lambda: _accepts(server.port), 15, "the port to accept")
-    if shutil.which("hey") is None:
-        pytest.fail("hey is not installed (apt-get install hey; .ci/run installs it)")
+    require_hey()
     hey = subprocess.Popen(["hey", "-z", "60s", "-c", str(kept_alive), server.url + "/"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     worker = server.workers()[0]
