@@ -45,7 +45,6 @@ from forkserve.workers.connection import Abandoned, Connection
 from forkserve.workers.pipeline import Ending, Pipeline, stop_grace_end
 from forkserve.wsgi import ClientGone
 
-POLLIN = select.POLLIN
 EPOLLIN = select.EPOLLIN
 EPOLLOUT = select.EPOLLOUT
 # A connection waiting for its client: the entry disarms as it fires, while a thread has it.
@@ -64,19 +63,12 @@ class ThreadWorker(Pipeline):
     defers_writes = True  # the poll loop writes out what a slow reader has not taken
 
     def should_close(self) -> bool:
-        """-- runs in a pool thread. A stop signal may have been taken by this very thread's C
-        handler while the main thread, which runs the Python handler, is not yet scheduled:
-        a byte waiting in the wakeup pipe counts as a possible stop (at worst, one needless
-        Connection: close), so a response in progress at the drain never misses it."""
-        if self.state is not RUNNING or self.settings.keepalive <= 0 or self.lameduck:
-            return True
-        # A poll object per thread: one select.poll may not be polled by two threads at once
-        # (RuntimeError: concurrent poll() invocation, answered as a 500).
-        poller = getattr(self.signal_polls, "poll", None)
-        if poller is None:
-            poller = self.signal_polls.poll = select.poll()
-            poller.register(self.wakeup_r, POLLIN)
-        return bool(poller.poll(0))
+        """-- runs in a pool thread. Once the worker took the stop (its Python handler ran:
+        /status says draining), every response says Connection: close. One whose head went
+        out a moment before, as the signal was on its way, promised keep-alive: the poll loop
+        gives its connection the close grace (see _after_response), so a request its client
+        sends meanwhile is still served, and nothing is asked of the kernel per response."""
+        return self.state is not RUNNING or self.settings.keepalive <= 0 or self.lameduck
 
     def serve(self) -> None:
         self.setup_http()
@@ -93,7 +85,6 @@ class ThreadWorker(Pipeline):
         self.was_backlogged = False  # the last turn of the loop did not listen (_backlogged)
         self.accept_waits = False  # the loop stopped accepting until a thread is free
         self.backlog_until = 0.0  # ... or until then (see _backlogged)
-        self.signal_polls = threading.local()
         self.pool_lock = threading.Lock()  # pool_threads and parked, as threads park or retire
         self.pool_threads: list[threading.Thread] = []
         self.parked = 0  # request threads waiting on a client that does not read (see park)
