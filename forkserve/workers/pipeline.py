@@ -236,10 +236,11 @@ class Pipeline(Worker):
         if listener.sock.fileno() < 0:
             return None  # closed at the stop signal (see SyncWorker._on_graceful)
         if self.accept_resumes and time.monotonic() < self.accept_resumes:
-            if self.state is RUNNING:
+            if self.state is RUNNING and not self.pause_requested:
                 return None
-            # Stopping, the caller empties the queue and then closes the listener, which
-            # would reset whoever is still queued: wait out the pause (0.1 s) and try again.
+            # Stopping or paused (TTOU), the caller empties the queue and then closes the
+            # listener, which would reset whoever is still queued: wait out the pause (0.1 s)
+            # and try again.
             time.sleep(max(self.accept_resumes - time.monotonic(), 0.0))
         sock = listener.sock
         try:
