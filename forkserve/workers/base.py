@@ -168,12 +168,14 @@ class Worker:
         instead of each building its own. Nothing may run here that a fork cannot inherit (a
         thread, a hub, a monkey-patch).
 
-        Every class shares hashlib: nearly every application imports it (Flask and Werkzeug,
-        Django, hmac and secrets), and its import initialises OpenSSL's libcrypto, which done
-        after the fork cost each Flask worker 2.1 MiB of RSS (a hello worker, which does not
-        import it, pays 1.4 MiB and stays under gunicorn's; bench/RESULTS.md, "Worker memory
-        with Flask")."""
+        Every class shares hashlib and ssl: nearly every application imports them (Flask and
+        Werkzeug, Django, hmac and secrets, requests and urllib3, http.client), and their
+        imports initialise OpenSSL's libcrypto and libssl, which done after the fork cost
+        each Flask worker 2.1 MiB (hashlib) and 1.4 MiB (ssl) of RSS. A hello worker, which
+        imports neither, pays 1.4 and 0.6 MiB for them and stays under gunicorn's, whose
+        arbiter imports ssl too (bench/RESULTS.md, "Worker memory with Flask")."""
         import hashlib  # noqa: F401
+        import ssl  # noqa: F401
 
     def __init__(self, worker_id: int, generation: int, settings: WorkerSettings,
                  listeners: list[Listener], counter_fd: int, alive_fd: int, log: Log,

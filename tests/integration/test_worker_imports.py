@@ -9,8 +9,9 @@ here only which modules are there, which does not depend on the machine).
   2 MiB of every worker's RSS.
 - A gevent server's arbiter has imported gevent's modules and ssl before forking, unpatched,
   so that every worker shares those pages instead of building its own (4 MiB a worker).
-- Every server's arbiter has imported hashlib, so OpenSSL's libcrypto is initialised once,
-  there, and not in each worker that imports it (2.1 MiB a Flask worker).
+- Every server's arbiter has imported hashlib and ssl, so OpenSSL's libcrypto and libssl are
+  initialised once, there, and not in each worker that imports them (2.1 and 1.4 MiB a Flask
+  worker).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def test_workers_import_no_optional_feature(server_factory: Any, tmp_path: Path,
     unexpected_arbiter = {name for name in OPTIONAL if name in arbiter["modules"]} - allowed
     assert not unexpected_arbiter, f"the arbiter imported {sorted(unexpected_arbiter)}"
     assert "_hashlib" in arbiter["modules"], "the arbiter did not share hashlib"
+    assert "_ssl" in arbiter["modules"], "the arbiter did not share ssl"
     if worker_class == "gevent":
         missing = [name for name in SHARED_BY_GEVENT if name not in arbiter["modules"]]
         assert not missing, f"the arbiter did not share {missing}"
