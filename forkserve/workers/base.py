@@ -172,8 +172,9 @@ class Worker:
         Werkzeug, Django, hmac and secrets, requests and urllib3, http.client), and their
         imports initialise OpenSSL's libcrypto and libssl, which done after the fork cost
         each Flask worker 2.1 MiB (hashlib) and 1.4 MiB (ssl) of RSS. A hello worker, which
-        imports neither, pays 1.4 and 0.6 MiB for them and stays under gunicorn's, whose
-        arbiter imports ssl too (bench/RESULTS.md, "Worker memory with Flask")."""
+        imports neither, pays 1.4 and 0.6 MiB for them and stays at or under gunicorn's,
+        whose arbiter imports ssl too (bench/RESULTS.md: "Worker memory with Flask" and
+        "Worker memory: ssl shared as hashlib is")."""
         import hashlib  # noqa: F401
         import ssl  # noqa: F401
 
