@@ -46,10 +46,13 @@ class NoRequest(RuntimeError):
 
 
 class RequestContext:
-    __slots__ = ("finisher", "functions", "finished", "cancelled", "timed_out", "pool", "spans")
+    __slots__ = ("finisher", "finish_args", "functions", "finished", "cancelled", "timed_out",
+                 "pool", "spans")
 
-    def __init__(self, finisher: Callable[[], None], pool: Any = None, spans: Any = None) -> None:
-        self.finisher = finisher
+    def __init__(self, finisher: Callable[..., None], pool: Any = None, spans: Any = None,
+                 finish_args: tuple[Any, ...] = ()) -> None:
+        self.finisher = finisher  # finish(): finisher(*finish_args), once
+        self.finish_args = finish_args
         self.pool = pool  # the worker's BackgroundPool (forkserve.background.submit)
         self.spans = spans  # the worker's span sink, or None (forkserve.telemetry.span)
         self.functions: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
@@ -60,7 +63,7 @@ class RequestContext:
     def finish(self) -> None:
         if not self.finished:
             self.finished = True
-            self.finisher()
+            self.finisher(*self.finish_args)
 
     def run_shutdown_functions(self, log: Log) -> None:
         functions, self.functions = self.functions, []

@@ -188,6 +188,11 @@ class Input:
         return self._done
 
 
+# wsgi.input of every request without a body: reading it changes nothing (it is at its end,
+# its buffer stays empty), so one serves all, in every thread, and none is built per request.
+NO_BODY = Input(None)
+
+
 class ErrorStream:
     """``wsgi.errors``: text the app writes goes to the error log's descriptor."""
 

@@ -36,8 +36,8 @@ from forkserve.workers.base import Worker, WorkerState
 from forkserve.workers.connection import (LINGER_BYTES, LINGER_TIME, RECV_SIZE, Abandoned,
                                           Connection, Timeout, linger_together)
 from forkserve.wsgi import (CheckedHeads, ClientGone, ClientSocket, ErrorStream, Exchange,
-                            FileWrapper, HeaderKeys, Input, UpgradeRefused, base_environ,
-                            build_environ)
+                            FileWrapper, HeaderKeys, Input, NO_BODY, UpgradeRefused,
+                            base_environ, build_environ)
 
 NEW_CONNECTION_GRACE = 0.5  # seconds a silent new connection gets once the worker stops
 DEFERRED_WAIT = 0.005  # seconds between looks for clients --defer-accept holds back (a stop)
@@ -654,8 +654,10 @@ class Pipeline(Worker):
         counters.in_flight_requests += 1
         exchange = Exchange(conn, request, self.dates, self.heads)
         conn.begin(exchange)
-        context = RequestContext(lambda: self._finish_early(conn, exchange), self.pool, self.spans)
-        wsgi_input = Input(conn if request.has_body else None)
+        # (A bound method and its arguments, not a lambda: a closure would make self, conn and
+        # exchange cells for the whole of this method, and allocate them per request.)
+        context = RequestContext(self._finish_early, self.pool, self.spans, (conn, exchange))
+        wsgi_input = Input(conn) if request.has_body else NO_BODY
         environ = build_environ(request, base, self.keys, conn.remote, wsgi_input)
         environ["forkserve.finish_request"] = context.finish
         if conn.peer is not None:
