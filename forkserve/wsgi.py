@@ -349,7 +349,7 @@ def build_environ(request: Request, base: dict[str, Any], keys: HeaderKeys,
                   remote: tuple[str, str], wsgi_input: Input) -> dict[str, Any]:
     environ = base.copy()
     path = request.path
-    if b"%" in path:
+    if path.find(b"%") >= 0:  # (not `b"%" in path`: on bytes, that raises and clears a TypeError)
         path = unquote_to_bytes(path)
     environ["REQUEST_METHOD"] = request.method
     environ["PATH_INFO"] = path.decode("latin-1")
