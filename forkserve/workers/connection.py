@@ -9,11 +9,9 @@ kernel says EAGAIN: a ready socket costs one syscall, not a poll plus the call (
 from __future__ import annotations
 
 import enum
-import fcntl
 import os
 import select
 import socket
-import termios
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -36,10 +34,7 @@ FIRST_READS = 8192
 # for at most this long and this much: a client that keeps sending is cut then.
 LINGER_TIME = 1.0
 LINGER_BYTES = 4 * RECV_SIZE
-# Connection.sent_more asks the kernel how many received bytes wait unread (FIONREAD, which is
-# SIOCINQ on a socket): one ioctl, answered in a C int, that raises nothing when there are none.
-FIONREAD = termios.FIONREAD
-NONE_UNREAD = bytes(4)
+MSG_PEEK_NOW = socket.MSG_PEEK | socket.MSG_DONTWAIT  # (Connection.sent_more)
 MSG_MORE = getattr(socket, "MSG_MORE", 0)  # (Connection.send_last; Linux: 0x8000)
 # After a response, at most this much of a body the app did not read is read and dropped to
 # keep the connection; a larger rest costs less to the client as a reconnect.
@@ -468,15 +463,17 @@ class Connection:
         ``readable_now``, the client's end of stream alone is no: a client that read its
         response and closed (a ``Connection: close`` client, at once on loopback) has sent
         nothing a close could reset, and lingering on it cost a shutdown, a poll and a loop
-        trip per connection. One ioctl, no wait (TLS: a poll; the count would include the
-        records' framing). A ``MSG_PEEK`` read asked the same, but where nothing waited (most
-        connections: a close's client has not sent its FIN yet) it raised BlockingIOError,
-        which cost more than the syscall: about 5,000 instructions a connection."""
+        trip per connection. One peek, no wait (TLS: a poll; a peek would read a record), on
+        the plain socket (``io``: under gevent's, the peek needs none of its wrapper's Python).
+        (Where nothing waits, the usual case, the peek raises BlockingIOError. FIONREAD asks
+        the same without an exception, 200 ns less a connection, but its number comes from
+        termios, whose import costs every worker 50 kB of RSS; a poll is gevent's under
+        gevent, a trip through its hub: bench/RESULTS.md.)"""
         if self._ssl is not None:
             return self.readable_now()
         try:
-            return fcntl.ioctl(self.fd, FIONREAD, NONE_UNREAD) != NONE_UNREAD
-        except OSError:  # (closed under us: nothing to keep from loss)
+            return bool(self.io.recv(1, MSG_PEEK_NOW))
+        except OSError:  # nothing yet (BlockingIOError), or reset: nothing to keep from loss
             return False
 
     def discard_body(self, request: Request) -> bool:

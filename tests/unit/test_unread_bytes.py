@@ -1,11 +1,11 @@
-"""Two questions the hot path asks the kernel without an exception when the answer is
-"nothing": ``Connection.sent_more`` (are there bytes from the client we have not read? then a
-close lingers, so that it does not reset the connection under the response) and
-``drain_pipe`` (read a wake-up pipe empty). Real TCP on 127.0.0.1 and real pipes.
+"""Two questions the hot path asks the kernel: ``Connection.sent_more`` (are there bytes from
+the client we have not read? then a close lingers, so that it does not reset the connection
+under the response) and ``drain_pipe`` (read a wake-up pipe empty, stopping at a short read
+rather than at BlockingIOError). Real TCP on 127.0.0.1 and real pipes.
 
 What each must answer is the contract: bytes waiting are "more", a bare FIN is not (a client
-that read its response and closed has nothing a close could reset), a closed descriptor is
-not; a pipe holding any number of bytes, or none, is left empty.
+that read its response and closed has nothing a close could reset), a reset or a closed socket
+is not; a pipe holding any number of bytes, or none, is left empty.
 """
 
 from __future__ import annotations
