@@ -799,9 +799,9 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 def drain_pipe(fd: int) -> None:
     """Read a non-blocking wake-up pipe empty. A read that returns less than it asked for
-    emptied it: no read more to be told so by BlockingIOError (an exception costs more than
-    the read, and the thread worker drains its hand-back pipe every other request). A byte
-    written after the read leaves the pipe readable: the next poll drains it."""
+    emptied it, so no further read is made only to fail with BlockingIOError (an exception
+    costs more than the read, and the thread worker drains its hand-back pipe every other
+    request). A byte written after the read leaves the pipe readable: the next poll drains it."""
     try:
         while len(os.read(fd, 4096)) == 4096:
             continue

@@ -40,10 +40,10 @@ def tcp_pair() -> Iterator[Callable[[], tuple[Connection, socket.socket]]]:
         sock.close()
 
 
-def arrived(conn: Connection, event: int = select.POLLIN) -> None:
+def arrived(conn: Connection) -> None:
     """Wait (bounded) until the server end is readable: the client's bytes or FIN are here."""
     poller = select.poll()
-    poller.register(conn.fd, event)
+    poller.register(conn.fd, select.POLLIN)
     assert poller.poll(WAIT * 1000), "nothing arrived"
 
 
