@@ -202,6 +202,17 @@ _FRAMING_FIELDS = frozenset({b"content-length", b"transfer-encoding", b"host", b
 class RequestParser:
     """Feeds llhttp and turns its callbacks into a queue of events."""
 
+    # Slots: with 30 attributes, CPython 3.11 built every parser a dict of its own (past its
+    # shared keys), and each of a few dozen attribute loads and stores a request went through
+    # that dict: 2 % of the gevent worker's instructions a request, 3.6 % of a sync worker's
+    # Connection: close request (bench/RESULTS.md, 2026-12-07 15:10).
+    __slots__ = ("__weakref__", "limits", "_events", "pending", "_parser", "_in_head",
+                 "_head_bytes", "_url_parts", "_url_len", "_url_room", "_headers",
+                 "_field_bytes", "_trailers", "_content_length", "_te", "_hosts", "_host",
+                 "_host_checked", "_content_types", "_expect", "_close", "_body_bytes",
+                 "_upgraded", "_upgrade_remaining", "_in_body", "_began_here", "_probe",
+                 "_bad_method", "_line", "_body_last", "_after_chunk_size")
+
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self._events: deque[Event] = deque()
