@@ -160,6 +160,21 @@ class Worker:
     """The child's runtime. ``WorkerHandle`` in the arbiter is the parent's view of it."""
 
     multithread = False  # True when request threads share this worker's state
+    # Every attribute a Worker or a Pipeline sets is a slot (tests/unit/test_worker_slots.py
+    # holds them to it); the instance's __dict__ holds what a subclass adds, and whatever a
+    # test sets. CPython 3.11 keeps an instance's attributes in values shared with its class
+    # only up to 30 names; past that it builds the instance a dict of its own, and then no
+    # ``self.method()`` call is specialized: each is a lookup in the type and one in that
+    # dict. With 67 to 84 attributes in one dict every worker was past it, on every call of
+    # its own methods, a dozen a request (bench/RESULTS.md, 2026-12-07 15:10).
+    __slots__ = ("__dict__", "__weakref__", "abort_reported", "access_log", "alive_fd", "app",
+                 "arbiter_pid", "cancellable", "cancelled_at", "close_fds", "counters",
+                 "drain_reported", "generation", "heartbeat_interval", "hooks", "in_request",
+                 "info", "lameduck", "lifetime", "listeners", "log", "max_requests", "metrics",
+                 "next_heartbeat", "orphaned", "output_fd", "pause_requested", "pool",
+                 "recycles", "request_ids", "retire_at", "retire_reason", "rss_limit",
+                 "server_info", "settings", "span_log", "spans", "state", "statm", "timed_out",
+                 "wakeup_r", "wakeup_w", "worker_id")
 
     @classmethod
     def share_imports(cls) -> None:

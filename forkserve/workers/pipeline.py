@@ -102,6 +102,14 @@ class Pipeline(Worker):
     # worker's greenlet may yield; the held segment would wait with them.
     closes_at_once = False
 
+    # Pipeline's own attributes (see Worker's __slots__).
+    __slots__ = ("accept_failures", "accept_logged_at", "accept_resumes", "accept_troubled",
+                 "cancel_r", "cancel_signalled", "cancel_w", "connections", "dates",
+                 "environs", "fired", "flushing", "heads", "keys", "lingering", "peer_certs",
+                 "post_request_hook", "pre_request_hook", "proxies", "proxy_logged_at",
+                 "proxy_refused", "request_hooks", "request_timeout", "socket_kinds", "stop_r",
+                 "stop_seen", "stop_signalled", "stop_w", "timing", "upgrade_refused_logged")
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # Set here, not in serve(): a signal handler may look at them while the app loads.
