@@ -47,7 +47,7 @@ from forkserve.context import RequestCancelled, RequestContext, RequestTimedOut
 from forkserve.sockets import Listener
 from forkserve.workers.base import HardStop, WorkerEvent, WorkerState, drain_pipe
 from forkserve.workers.connection import Abandoned, Connection
-from forkserve.workers.pipeline import Ending, Pipeline, stop_grace_end
+from forkserve.workers.pipeline import CLOSE, IDLE, LINGER, Pipeline, stop_grace_end
 from forkserve.wsgi import ClientGone
 
 RUNNING = WorkerState.RUNNING
@@ -386,8 +386,8 @@ class GeventWorker(Pipeline):
         kept = linger = False
         try:
             ending = self.serve_connection(conn, self.environs[id(conn.listener)])
-            linger = ending is Ending.LINGER
-            kept = ending is Ending.IDLE and self._keep_idle(conn)
+            linger = ending is LINGER
+            kept = ending is IDLE and self._keep_idle(conn)
         except (ClientGone, HardStop, Abandoned, RequestCancelled):
             # The client left, or a stop, a drain or a cancel was thrown in: it ends here.
             linger = False

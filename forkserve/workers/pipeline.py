@@ -77,6 +77,11 @@ class Ending(enum.Enum):
     LINGER = "to close once what the client still sends is drained"  # see Connection.close
 
 
+# The endings by name: ``Ending.IDLE`` is a class attribute looked up anew each time (CPython
+# 3.11 specializes no attribute load on a class), and a worker tests one or two a request.
+IDLE, CLOSE, LINGER = Ending.IDLE, Ending.CLOSE, Ending.LINGER
+
+
 class Pipeline(Worker):
     """The child runtime plus the request pipeline; a subclass adds its concurrency model:
     ``serve()`` and ``should_close()``, and the two knobs below."""
@@ -458,8 +463,8 @@ class Pipeline(Worker):
                     self.write_later(conn, listener, ending)
                     handed = True
                     return
-                if ending is not Ending.IDLE or not self.wait_idle(conn):
-                    linger = ending is Ending.LINGER
+                if ending is not IDLE or not self.wait_idle(conn):
+                    linger = ending is LINGER
                     return
         except ClientGone:
             return
@@ -549,7 +554,7 @@ class Pipeline(Worker):
         try:
             done = conn.write_unsent()
         except ClientGone:
-            done, ending = True, Ending.CLOSE
+            done, ending = True, CLOSE
         if not done:
             self.flushing[fd] = (conn, listener, ending,
                                  time.monotonic() + self.settings.header_timeout)
@@ -593,34 +598,34 @@ class Pipeline(Worker):
                 request = conn.read_head((conn.head_began or time.monotonic()) + header_timeout)
             except HTTPError as exc:
                 self.refuse(conn, exc.status, exc.reason, refused=True)
-                return Ending.LINGER
+                return LINGER
             except ProxyProtocolError as exc:
                 self._proxy_refused(str(exc))
-                return Ending.CLOSE  # not HTTP: no answer a balancer would read
+                return CLOSE  # not HTTP: no answer a balancer would read
             except Timeout:
                 if conn.received:
                     self.refuse(conn, 408, "Request Timeout")
-                return Ending.CLOSE
+                return CLOSE
             except Abandoned:
                 if conn.received:
                     self.refuse(conn, 503, "Service Unavailable")
-                    return Ending.LINGER
+                    return LINGER
                 if self.state is STOPPING and conn.readable_now():
                     continue  # its request arrived just now: answer it, never reset it
-                return Ending.CLOSE
+                return CLOSE
             if request is None:
-                return Ending.CLOSE
+                return CLOSE
             if not self.serve_request(conn, request, base):
                 if conn.taken:
-                    return Ending.CLOSE  # the app's until it returned; nothing to drain
+                    return CLOSE  # the app's until it returned; nothing to drain
                 # Linger only where the client may still be sending (a body the app did not
                 # read, pipelined bytes): closing then would reset it. A request read to its
                 # end leaves nothing (lingering would hold the connection, and so the
                 # drain, until the client closes: up to 1 s).
-                return Ending.LINGER if conn.has_unread() else Ending.CLOSE
+                return LINGER if conn.has_unread() else CLOSE
             if not conn.events or conn.unsent is not None:
                 # (Unsent output first: the worker's loop writes it, then serves what is next.)
-                return Ending.IDLE  # else a pipelined request is already here
+                return IDLE  # else a pipelined request is already here
 
     def _proxy_refused(self, why: str) -> None:
         """A broken or untrusted PROXY header: the connection is closed; one line per

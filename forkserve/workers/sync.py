@@ -34,7 +34,7 @@ from forkserve.context import RequestContext, RequestTimedOut
 from forkserve.sockets import Listener, accept_queue_length, queued_clients
 from forkserve.workers.base import WorkerState
 from forkserve.workers.connection import Connection
-from forkserve.workers.pipeline import Ending, Pipeline, stop_grace_end
+from forkserve.workers.pipeline import CLOSE, IDLE, LINGER, Pipeline, stop_grace_end
 
 POLLIN = select.POLLIN
 RUNNING = WorkerState.RUNNING
@@ -210,8 +210,8 @@ class SyncWorker(Pipeline):
         if done is None:
             return None
         conn, listener, ending = done
-        if ending is not Ending.IDLE:
-            self.end_connection(conn, linger=ending is Ending.LINGER)
+        if ending is not IDLE:
+            self.end_connection(conn, linger=ending is LINGER)
             return None
         if conn.events:
             return conn, listener

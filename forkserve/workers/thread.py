@@ -42,7 +42,7 @@ from forkserve.context import RequestCancelled, RequestContext, RequestTimedOut
 from forkserve.sockets import Listener
 from forkserve.workers.base import WorkerEvent, WorkerState, drain_pipe
 from forkserve.workers.connection import Abandoned, Connection
-from forkserve.workers.pipeline import Ending, Pipeline, stop_grace_end
+from forkserve.workers.pipeline import CLOSE, IDLE, LINGER, Ending, Pipeline, stop_grace_end
 from forkserve.wsgi import ClientGone
 
 EPOLLIN = select.EPOLLIN
@@ -390,9 +390,9 @@ class ThreadWorker(Pipeline):
     def _after_response(self, conn: Connection, listener: Listener, ending: Ending) -> None:
         """A connection's response is all out: it ends, a pipelined request is served, or
         the loop watches it for the client's next request."""
-        if ending is Ending.LINGER:
+        if ending is LINGER:
             self.end_connection(conn, linger=True)  # the loop drains it (close_later)
-        elif ending is not Ending.IDLE:
+        elif ending is not IDLE:
             self._release(conn)
         elif conn.events:
             self.work.put((conn, listener))  # pipelined behind the response just written
@@ -529,19 +529,19 @@ class ThreadWorker(Pipeline):
         try:
             ending = self.serve_connection(conn, self.environs[id(listener)])
         except (RequestCancelled, Abandoned, ClientGone):
-            ending = Ending.CLOSE
+            ending = CLOSE
         except Exception as exc:  # never lose a pool thread to one connection
             self.log.exception("Connection failed", exc, worker=self.worker_id)
-            ending = Ending.CLOSE
+            ending = CLOSE
         conn.owner = None
-        if ending is Ending.IDLE or conn.unsent is not None or (
-                ending is Ending.LINGER and conn.defer_writes):
+        if ending is IDLE or conn.unsent is not None or (
+                ending is LINGER and conn.defer_writes):
             # Back to the main thread, which writes out what the client has not taken yet,
             # and watches it (applying a stop's grace), drains it before closing (a
             # lingering close: no thread waits on the client), or ends it.
             self._hand_back(conn, listener, ending)
         else:
-            self._release(conn, linger=ending is Ending.LINGER)
+            self._release(conn, linger=ending is LINGER)
 
     # -- cancellation ------------------------------------------------------------------------
     # --request-timeout: the poll loop watches the timed requests (its wait is never longer
