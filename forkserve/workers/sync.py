@@ -110,7 +110,8 @@ class SyncWorker(Pipeline):
                     continue
             accepted = self._accept() if self.counters.active_connections < self.limit else None
             if accepted is not None:
-                self._take(*accepted)
+                sock, addr, listener = accepted  # (not self._take(*accepted): see _take)
+                self._take(sock, addr, listener)
                 # Clients that come and never finish a request (slowloris) keep this loop from
                 # ever waiting: the heartbeat must not depend on a wait or a served request.
                 now = time.monotonic()
@@ -155,7 +156,10 @@ class SyncWorker(Pipeline):
         reads it), else pending."""
         ready = self._pend(sock, addr, listener)
         if ready is not None:
-            self._serve(*ready)
+            # Not self._serve(*ready): CPython 3.11 specializes no call with *args (nor the
+            # load of the method it calls), and this is every new client's path.
+            conn, listener = ready
+            self._serve(conn, listener)
 
     def _pend(self, sock: socket.socket, addr: Any,
               listener: Listener) -> tuple[Connection, Listener] | None:

@@ -50,6 +50,8 @@ EPOLLOUT = select.EPOLLOUT
 # A connection waiting for its client: the entry disarms as it fires, while a thread has it.
 EPOLLIN_ONCE = select.EPOLLIN | select.EPOLLONESHOT
 RUNNING = WorkerState.RUNNING
+CANCELLED = WorkerState.CANCELLED
+HALTING = WorkerState.HALTING
 # Spare threads at most, each standing in for a request thread parked on a client that does
 # not take its streamed response (see park): beyond them, a parked request holds its thread.
 SPARE_LIMIT = 64
@@ -167,7 +169,7 @@ class ThreadWorker(Pipeline):
                 self.signal_stop()
             if state is not RUNNING and not self.idle and self.counters.active_connections == 0:
                 return
-            if state is WorkerState.HALTING:
+            if state is HALTING:
                 return
             self.before_waiting()
             now = time.monotonic()
@@ -380,7 +382,8 @@ class ThreadWorker(Pipeline):
                 conn, listener, ending = self.back.get_nowait()
             except queue.Empty:
                 return
-            if self.state is WorkerState.CANCELLED or self.state is WorkerState.HALTING:
+            state = self.state
+            if state is CANCELLED or state is HALTING:
                 self._release(conn)
             elif conn.unsent is not None:
                 self.write_later(conn, listener, ending)
@@ -513,7 +516,8 @@ class ThreadWorker(Pipeline):
                 if self.accept_waits and self.work.qsize() < self.settings.threads:
                     self.accept_waits = False
                     self._wake_main()  # the loop accepts again (see _backlogged)
-                self._run_connection(*item)
+                conn, listener = item  # (not *item: a call with *args is never specialized)
+                self._run_connection(conn, listener)
             except RequestCancelled:
                 # The drain deadline's asynchronous exception can land at any bytecode: here
                 # it hit a thread whose request had just ended. End its connection all the
