@@ -202,10 +202,10 @@ _FRAMING_FIELDS = frozenset({b"content-length", b"transfer-encoding", b"host", b
 class RequestParser:
     """Feeds llhttp and turns its callbacks into a queue of events."""
 
-    # Slots: with 30 attributes, CPython 3.11 built every parser a dict of its own (past its
-    # shared keys), and each of a few dozen attribute loads and stores a request went through
-    # that dict: 2 % of the gevent worker's instructions a request, 3.6 % of a sync worker's
-    # Connection: close request (bench/RESULTS.md, 2026-12-07 15:10).
+    # Slots: with 30 attributes, one past what CPython 3.11 keeps in values shared with the
+    # class, every parser got a dict of its own, and each of a few dozen attribute loads and
+    # stores a request went through it: 2 % of the gevent worker's instructions a request,
+    # 3.7 % of a sync worker's Connection: close request (bench/RESULTS.md, 2026-12-07 15:09).
     __slots__ = ("__weakref__", "limits", "_events", "pending", "_parser", "_in_head",
                  "_head_bytes", "_url_parts", "_url_len", "_url_room", "_headers",
                  "_field_bytes", "_trailers", "_content_length", "_te", "_hosts", "_host",

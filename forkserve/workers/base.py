@@ -163,10 +163,11 @@ class Worker:
     # Every attribute a Worker or a Pipeline sets is a slot (tests/unit/test_worker_slots.py
     # holds them to it); the instance's __dict__ holds what a subclass adds, and whatever a
     # test sets. CPython 3.11 keeps an instance's attributes in values shared with its class
-    # only up to 30 names; past that it builds the instance a dict of its own, and then no
-    # ``self.method()`` call is specialized: each is a lookup in the type and one in that
-    # dict. With 67 to 84 attributes in one dict every worker was past it, on every call of
-    # its own methods, a dozen a request (bench/RESULTS.md, 2026-12-07 15:10).
+    # up to 29 names; past that it builds the instance a dict of its own. A worker has 65 to
+    # 84, and in its dict no ``self.method()`` call got specialized: a dozen a request, each
+    # a lookup in the type and one in the dict (``w.should_close()`` run 2,000 times in a
+    # worker stayed LOAD_METHOD_ADAPTIVE; with the slots it is LOAD_METHOD_WITH_VALUES).
+    # bench/RESULTS.md, 2026-12-07 15:09.
     __slots__ = ("__dict__", "__weakref__", "abort_reported", "access_log", "alive_fd", "app",
                  "arbiter_pid", "cancellable", "cancelled_at", "close_fds", "counters",
                  "drain_reported", "generation", "heartbeat_interval", "hooks", "in_request",
