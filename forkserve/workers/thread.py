@@ -377,11 +377,11 @@ class ThreadWorker(Pipeline):
         return min(deadline, stop_grace_end(conn, self.stop_began()))
 
     def _take_back(self) -> None:
-        while True:
-            try:
-                conn, listener, ending = self.back.get_nowait()
-            except queue.Empty:
-                return
+        back = self.back
+        # Only this thread takes from ``back``: not empty means get_nowait() returns (its
+        # queue.Empty at the end of every turn was an exception raised and caught per turn).
+        while not back.empty():
+            conn, listener, ending = back.get_nowait()
             state = self.state
             if state is CANCELLED or state is HALTING:
                 self._release(conn)
