@@ -341,7 +341,7 @@ class ThreadWorker(Pipeline):
             for listener in self.listeners:
                 if listener.sock.fileno() < 0:
                     continue
-                if state is WorkerState.CANCELLED:
+                if state is CANCELLED:
                     self.turn_away_queue([listener])
                 elif state is WorkerState.STOPPING and self.takes_queue(listener) or (
                         state is RUNNING and self.pause_requested):
@@ -356,7 +356,7 @@ class ThreadWorker(Pipeline):
             for fd, (conn, listener, deadline) in list(self.idle.items()):
                 self.idle[fd] = (conn, listener, self.stop_deadline(conn, deadline))
             self.idle_due = min([entry[2] for entry in self.idle.values()], default=float("inf"))
-        if state is WorkerState.CANCELLED:
+        if state is CANCELLED:
             self.end_writes()  # responses still going out are cut at the deadline
             self.end_lingering()
             for fd in list(self.idle):

@@ -17,6 +17,7 @@ import pytest
 
 from forkserve.http.parser import RequestParser
 from forkserve.workers.base import Worker
+from forkserve.workers.gevent import GeventWorker
 from forkserve.workers.pipeline import Pipeline
 from forkserve.workers.sync import SyncWorker
 from forkserve.workers.thread import ThreadWorker
@@ -61,16 +62,8 @@ def test_every_attribute_worker_and_pipeline_set_is_a_slot(cls: type) -> None:
     assert not missing, f"add to {cls.__name__}.__slots__: {sorted(missing)}"
 
 
-def worker_classes() -> list[type]:
-    classes: list[type] = [SyncWorker, ThreadWorker]
-    try:
-        from forkserve.workers.gevent import GeventWorker
-    except ImportError:  # pragma: no cover (gevent is a declared dependency)
-        return classes
-    return [*classes, GeventWorker]
-
-
-@pytest.mark.parametrize("cls", worker_classes(), ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize("cls", [SyncWorker, ThreadWorker, GeventWorker],
+                         ids=lambda cls: cls.__name__)
 def test_what_a_worker_class_adds_fits_in_the_shared_values(cls: type) -> None:
     own = assigned(cls) - slots_of(cls)
     # With room to spare: a hook or a test may set a few more.
