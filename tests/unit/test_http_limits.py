@@ -16,6 +16,7 @@ from typing import Iterator
 import pytest
 
 from forkserve.http import END, HTTPError, Limits, Request, RequestParser
+from forkserve.http import parser as parser_module
 from tests.http import taken
 
 READ = 65536  # what a worker reads at a time (forkserve.workers.connection.RECV_SIZE)
@@ -183,8 +184,8 @@ def test_the_whole_request_line_is_limited_at_the_default(method: str) -> None:
 # -- what a kept-alive parser remembers between requests ------------------------------------------
 
 def test_a_valid_host_on_a_connection_does_not_let_a_bad_one_through() -> None:
-    """The Host check is skipped for the Host the previous request on the connection had (it
-    passed); any other Host is checked again."""
+    """The Host check is skipped for a Host an earlier request had (it passed); any other
+    Host is checked again."""
     parser = RequestParser(Limits())
     for _ in range(2):
         parser.feed(b"GET / HTTP/1.1\r\nHost: example.com:8080\r\n\r\n")
@@ -193,6 +194,41 @@ def test_a_valid_host_on_a_connection_does_not_let_a_bad_one_through() -> None:
     with pytest.raises(HTTPError) as refused:
         parser.feed(b"GET / HTTP/1.1\r\nHost: exa mple.com\r\n\r\n")
     assert refused.value.status == 400
+
+
+def test_the_hosts_found_valid_are_shared_by_connections_and_bounded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new connection's parser skips the Host check for a Host another connection's passed
+    (the same names come on every Connection: close request); the hosts kept are bounded in
+    count and length, and a bad Host is refused whatever is kept."""
+    kept: set[bytes] = set()
+    monkeypatch.setattr(parser_module, "_VALID_HOSTS", kept)
+
+    def served(host: bytes) -> None:
+        parser = RequestParser(Limits())
+        parser.feed(b"GET / HTTP/1.1\r\nHost: " + host + b"\r\n\r\n")
+        head = parser.next_event()
+        assert isinstance(head, Request) and parser.next_event() is END
+
+    served(b"example.com:8080")
+    assert kept == {b"example.com:8080"}
+    checks = []
+    monkeypatch.setattr(parser_module, "_valid_host",
+                        lambda value: checks.append(value) or True)
+    served(b"example.com:8080")
+    assert checks == []  # (the second connection did not check it again)
+    monkeypatch.undo()
+    monkeypatch.setattr(parser_module, "_VALID_HOSTS", kept)
+    served(b"a" * (parser_module.HOST_KEPT_BYTES + 1))
+    for n in range(parser_module.HOSTS_KEPT * 2):
+        served(b"host-%d.example" % n)
+    assert len(kept) == parser_module.HOSTS_KEPT
+    assert all(len(host) <= parser_module.HOST_KEPT_BYTES for host in kept)
+    for bad in (b"exa mple.com", b"a@b", b"[::zz]"):
+        with pytest.raises(HTTPError) as refused:
+            served(bad)
+        assert refused.value.status == 400
+    assert not kept & {b"exa mple.com", b"a@b", b"[::zz]"}
 
 
 @pytest.mark.parametrize("method", ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS",
