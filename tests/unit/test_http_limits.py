@@ -212,9 +212,13 @@ def test_the_hosts_found_valid_are_shared_by_connections_and_bounded(
 
     served(b"example.com:8080")
     assert kept == {b"example.com:8080"}
-    checks = []
-    monkeypatch.setattr(parser_module, "_valid_host",
-                        lambda value: checks.append(value) or True)
+    checks: list[bytes] = []
+
+    def checked(value: bytes) -> bool:
+        checks.append(value)
+        return True
+
+    monkeypatch.setattr(parser_module, "_valid_host", checked)
     served(b"example.com:8080")
     assert checks == []  # (the second connection did not check it again)
     monkeypatch.undo()
