@@ -10,7 +10,7 @@ the "off" server pays nothing for them, not even a call to a no-op:
 - ``counters.in_flight_requests += 1`` and ``-= 1``;
 - ``RequestContext(...)``: replaced by one shared stand-in (``NoContext``) with the attributes
   the pipeline reads of a context (``finish``, ``cancelled``, ``timed_out``);
-- ``token = CURRENT.set(context)`` and ``CURRENT.reset(token)``;
+- ``token = set_current(context)`` and ``reset_current(token)`` (``CURRENT``'s set and reset);
 - ``context.run_shutdown_functions(self.log)``;
 - ``self.report()`` (and ``Worker.report`` is a no-op for its other callers).
 
@@ -44,8 +44,8 @@ REMOVED = {
     "serve_request": {
         "counters.in_flight_requests += 1": 1,
         "counters.in_flight_requests -= 1": 1,
-        "token = CURRENT.set(context)": 1,
-        "CURRENT.reset(token)": 1,
+        "token = set_current(context)": 1,
+        "reset_current(token)": 1,
         "context.run_shutdown_functions(self.log)": 1,
         "self.report()": 1,
     },

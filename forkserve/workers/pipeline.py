@@ -25,7 +25,8 @@ import socket
 import time
 from typing import Any, Callable, NoReturn
 
-from forkserve.context import CURRENT, RequestCancelled, RequestContext, RequestTimedOut
+from forkserve.context import (RequestCancelled, RequestContext, RequestTimedOut, reset_current,
+                               set_current)
 from forkserve.hooks import RequestInfo, ResponseInfo
 from forkserve.http import HTTPError, Request
 from forkserve.http.proxy_protocol import ProxyProtocolError
@@ -696,7 +697,7 @@ class Pipeline(Worker):
         if self.request_hooks:
             hooked = RequestInfo(request.method, request.target, request.path, request.query,
                                  request.version, request.headers, environ["REMOTE_ADDR"])
-        token = CURRENT.set(context)
+        token = set_current(context)
         self.in_request = True
         try:
             self.cancellable = context
@@ -742,7 +743,7 @@ class Pipeline(Worker):
                 context.run_shutdown_functions(self.log)
             if hooked is not None:
                 self._post_request(hooked, environ, exchange, status)
-            CURRENT.reset(token)
+            reset_current(token)
             counters.in_flight_requests -= 1
             conn.end_request()
             if self.state is not RUNNING:

@@ -108,7 +108,7 @@ def run(worker: Any, *, keep_alive: bool = False, upgrade: bool = False,
     exchange = Exchange(transport, request, worker.dates, worker.heads)  # type: ignore[arg-type]
     context = RequestContext(lambda: None)
     if shutdown_function:
-        context.functions.append((print, (), {}))
+        context.functions = [(print, (), {})]
     worker.app = app
     worker._run_app(exchange, {}, context)
     assert len(transport.close_next) == 1
