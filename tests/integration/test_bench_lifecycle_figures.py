@@ -92,8 +92,10 @@ from forkserve.workers.pipeline import Pipeline
 before = set(Pipeline.serve_request.__code__.co_names)
 patch()
 after = set(Pipeline.serve_request.__code__.co_names)
-assert {"in_flight_requests", "CURRENT", "RequestContext", "run_shutdown_functions", "report"} <= before
-assert not after & {"in_flight_requests", "CURRENT", "RequestContext", "run_shutdown_functions", "report"}, after
+assert {"in_flight_requests", "set_current", "reset_current", "RequestContext",
+         "run_shutdown_functions", "report"} <= before
+assert not after & {"in_flight_requests", "set_current", "reset_current", "RequestContext",
+         "run_shutdown_functions", "report"}, after
 assert {"_run_app", "build_environ", "request_done", "_NO_CONTEXT"} <= after, after
 assert "report" not in Pipeline.release.__code__.co_names
 assert "active_connections" in Pipeline.release.__code__.co_names  # admission reads it: kept
