@@ -39,6 +39,15 @@ def wait_for(predicate: Callable[[], Any], timeout: float = DEFAULT_TIMEOUT,
         time.sleep(interval)
 
 
+def wait_for_threads(pid: int, count: int, timeout: float = 15.0) -> None:
+    """Until process ``pid`` runs ``count`` threads or more. A thread worker starts its poll
+    loop and request threads after it forks, and load does not wait for every worker: on a
+    loaded machine one may still be starting them while its sibling serves every request
+    (seen: 2 threads of 5). Read what a test counts of a worker's threads after this."""
+    wait_for(lambda: len(os.listdir(f"/proc/{pid}/task")) >= count, timeout,
+             f"{count} threads in process {pid}")
+
+
 def worker_set(server: "Server", count: int, timeout: float = 10.0) -> set[int]:
     """Wait until the arbiter has exactly ``count`` children; return their pids."""
     return set(wait_for(lambda: len(server.workers()) == count and server.workers(), timeout,

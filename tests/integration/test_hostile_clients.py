@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import pytest
 
 from tests.harness import (Server, get, process_group, read_head, read_response, send_get,
-                           wait_for, worker_set)
+                           wait_for, wait_for_threads, worker_set)
 
 WORKER_CLASSES = ["sync", "thread", "gevent"]
 
@@ -347,12 +347,11 @@ def test_spare_threads_stand_in_for_parked_ones_and_retire_after(server_factory:
     pids = sorted(worker_set(server, 2))
     for _ in range(4):
         assert get(server.port, "/").status == 200
-    # The baseline once each worker runs its poll loop and both request threads: on a loaded
-    # machine one may still be starting them after its sibling served the four requests
-    # above, and a baseline read then is never seen again (seen under two suites in
+    # The baseline once each worker runs its poll loop and both request threads: a baseline
+    # read while one was still starting them is never seen again (seen under two suites in
     # parallel: the wait below for the count to come back timed out).
-    wait_for(lambda: all(thread_count(pid) >= 3 for pid in pids), timeout=15,
-             what="each worker's poll loop and 2 request threads")
+    for pid in pids:
+        wait_for_threads(pid, 3)
     before = {pid: thread_count(pid) for pid in pids}
     readers = NonReaders(server.port, 6, 16_000_000, "/big-stream")
     try:

@@ -15,11 +15,11 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import pytest
 
-from tests.harness import Server, get, wait_for, worker_set
+from tests.harness import Server, get, wait_for, wait_for_threads, worker_set
 from tests.load import Load
 
 EVERY_CLASS = {"sync": (), "thread": ("-k", "thread", "--threads", "4"), "gevent": ("-k", "gevent")}
@@ -50,27 +50,6 @@ def worker_number(pid: int) -> int | None:
     return int(title.split()[2])
 
 
-Found = TypeVar("Found")
-
-
-def all_threads(read: Callable[[int], dict[int, Found]], pid: int,
-                worker_class: str) -> dict[int, Found]:
-    """``read(pid)`` once every thread a worker of ``worker_class`` starts is there: the thread
-    worker's poll loop and its 4 request threads. The load does not wait for both workers: on
-    a loaded machine one may still be starting its threads while its sibling served all the
-    responses the load waited for (seen: 2 threads of 5)."""
-    if worker_class != "thread":
-        return read(pid)
-
-    def started() -> dict[int, Found] | None:
-        found = read(pid)
-        return found if len(found) >= 5 else None
-
-    threads: dict[int, Found] = wait_for(started, 15,
-                                         f"worker {pid}'s poll loop and 4 request threads")
-    return threads
-
-
 def under_load(server: Server, requests: int = 300) -> Load:
     """16 keep-alive clients, running once they have had ``requests`` responses."""
     load = Load(server.port, threads=16, seconds=60, keepalive=True).start()
@@ -89,7 +68,10 @@ def test_each_worker_runs_on_its_own_cpu_every_thread_of_it(server_factory: Any,
         for pid in worker_set(server, 2):
             number = worker_number(pid)
             assert number is not None, pid
-            threads = all_threads(thread_affinities, pid, worker_class)
+            started = 5 if worker_class == "thread" else 1  # the poll loop and 4 request threads
+            wait_for_threads(pid, started)
+            threads = thread_affinities(pid)
+            assert len(threads) >= started, threads
             expected = cpus[(number - 1) % len(cpus)]
             assert all(cpu_set == {expected} for cpu_set in threads.values()), (number, threads)
             pinned[number] = expected
@@ -171,7 +153,10 @@ def test_sched_batch_covers_every_thread_of_every_worker(server_factory: Any,
     load = under_load(server)
     try:
         for pid in worker_set(server, 2):
-            policies = all_threads(thread_policies, pid, worker_class)
+            started = 5 if worker_class == "thread" else 1
+            wait_for_threads(pid, started)
+            policies = thread_policies(pid)
+            assert len(policies) >= started, policies
             assert set(policies.values()) == {os.SCHED_BATCH}, policies
         assert os.sched_getscheduler(server.pid) == os.SCHED_OTHER  # not the arbiter
     finally:
