@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from typing import Iterator
 
 import pytest
@@ -36,7 +37,11 @@ def dispose(queue: sigs.SignalQueue) -> None:
 def test_a_signal_blocked_before_the_queue_is_delivered_to_it(restore_mask: None) -> None:
     previous = sigs.block([signal.SIGUSR1])
     assert signal.SIGUSR1 not in previous
-    os.kill(os.getpid(), signal.SIGUSR1)  # the default action would end this process
+    # To this thread: the mask is per thread, and a signal sent to the process goes to any
+    # thread that does not block it. A thread an earlier test left running (the suite's
+    # helpers start some) took it once, with the default action: the whole test run ended.
+    # The arbiter has one thread, so its exec carries a pending signal either way.
+    signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)
     assert signal.SIGUSR1 in signal.sigpending()
     queue = sigs.SignalQueue([signal.SIGUSR1])  # installs, then unblocks: delivered now
     try:
@@ -49,7 +54,7 @@ def test_a_signal_blocked_before_the_queue_is_delivered_to_it(restore_mask: None
 def test_undelivered_signals_are_taken_once_and_replay_in_order(restore_mask: None) -> None:
     queue = sigs.SignalQueue([signal.SIGUSR1])
     try:
-        os.kill(os.getpid(), signal.SIGUSR1)
+        signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)  # (see above)
         taken = queue.undelivered()
         assert taken == [signal.SIGUSR1] and queue.undelivered() == []
         queue.replay([signal.SIGHUP, signal.SIGUSR2])
