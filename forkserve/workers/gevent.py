@@ -57,6 +57,7 @@ HALTING = WorkerState.HALTING
 # ends when its queue is empty. Under load the few that are parked take every turn of the loop;
 # a burst of blocking requests spawns more, and they end as it passes.
 PARKED_RUNNERS = 16
+IDLE_PRIORITY = 2  # libev's EV_MAXPRI: a kept-alive connection's watch (GreenConnection.watch_idle)
 
 # What patch_all and this worker import, less the application, imported by the arbiter before
 # it forks (share_imports). Each defines classes and loads libev, greenlet or OpenSSL (whose
@@ -110,7 +111,14 @@ class GreenConnection(Connection):
         seconds (or sooner: cut_idle). Either ends the watch (see unwatch_idle)."""
         io = self._idle_io
         if io is None:
-            io = self._idle_io = loop.io(self.fd, 1)  # libev's READ
+            # libev's READ, at its highest priority (IDLE_PRIORITY): in a turn that finds
+            # both a kept-alive client's next request and timers due (an app's sleeps ending),
+            # the client is queued first, so each runner a timer resumes takes a ready client
+            # as soon as its response is out. At the default priority libev ran the timers
+            # first (it runs a turn's events last in, first out), every runner parked with
+            # the queue still empty, and the clients waited for the loop's next turn behind
+            # all the responses of this one (see bench/RESULTS.md, 2026-12-07 21:13).
+            io = self._idle_io = loop.io(self.fd, 1, priority=IDLE_PRIORITY)
             # Repeating every keepalive seconds: again() (re)starts it that far from now,
             # with no new timer. (From the loop's time: this turn's start, a few ms at most.)
             self._idle_timer = loop.timer(keepalive, keepalive)
