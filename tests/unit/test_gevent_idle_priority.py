@@ -11,6 +11,7 @@ gunicorn's gevent worker). In a child process: gevent patches what it imports.
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 
@@ -47,6 +48,6 @@ def test_a_kept_alive_clients_request_is_queued_before_the_timers_of_its_turn() 
     done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr
-    order = eval(done.stdout.strip())  # a list of tuples the child printed
+    order = ast.literal_eval(done.stdout.strip())  # the list of tuples the child printed
     assert order[0] == ("client", False), order
     assert sorted(order[1:]) == [("timer", 0), ("timer", 1), ("timer", 2)], order
