@@ -23,6 +23,9 @@ from tests.harness import Server, get, wait_for, wait_for_threads, worker_set
 from tests.load import Load
 
 EVERY_CLASS = {"sync": (), "thread": ("-k", "thread", "--threads", "4"), "gevent": ("-k", "gevent")}
+# The threads a worker of each class runs once it serves: the thread worker's poll loop and
+# its 4 request threads (see wait_for_threads).
+STARTED_THREADS = {"sync": 1, "thread": 5, "gevent": 1}
 by_every_class = pytest.mark.parametrize("worker_class", list(EVERY_CLASS))
 
 
@@ -68,7 +71,7 @@ def test_each_worker_runs_on_its_own_cpu_every_thread_of_it(server_factory: Any,
         for pid in worker_set(server, 2):
             number = worker_number(pid)
             assert number is not None, pid
-            started = 5 if worker_class == "thread" else 1  # the poll loop and 4 request threads
+            started = STARTED_THREADS[worker_class]
             wait_for_threads(pid, started)
             threads = thread_affinities(pid)
             assert len(threads) >= started, threads
@@ -153,7 +156,7 @@ def test_sched_batch_covers_every_thread_of_every_worker(server_factory: Any,
     load = under_load(server)
     try:
         for pid in worker_set(server, 2):
-            started = 5 if worker_class == "thread" else 1
+            started = STARTED_THREADS[worker_class]
             wait_for_threads(pid, started)
             policies = thread_policies(pid)
             assert len(policies) >= started, policies
