@@ -59,6 +59,55 @@ def no_leaked_fds() -> Iterator[None]:
         assert not leaked(), f"descriptors left open by the test: {leaked()}"
 
 
+# What a process started by a later test inherits from this one. In any order but file
+# order (pytest-xdist's), a unit test's leftover reaches the integration tests that run
+# after it in the same process: seen, FORKSERVE_WORKERS=9 set by a unit test and
+# never unset, and every later server of that process ran 9 workers whatever it was told.
+_INHERITED_SIGNALS = tuple(signal.Signals(n) for n in sorted(signal.valid_signals())
+                           if n not in (signal.SIGKILL, signal.SIGSTOP) and n < signal.SIGRTMIN)
+
+
+def _inherited_state() -> dict[str, Any]:
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return {
+        # (pytest's own variable names the running test and its phase)
+        "environ": {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},
+        "umask": umask,
+        "blocked signals": signal.pthread_sigmask(signal.SIG_BLOCK, []),
+        # an ignored signal stays ignored across exec; a handler is reset to the default
+        "ignored signals": {s for s in _INHERITED_SIGNALS if signal.getsignal(s) is signal.SIG_IGN},
+    }
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_process_state() -> Iterator[None]:
+    """A test leaves the environment, umask, signal mask and ignored signals as it found them
+    (restored here either way, so that one leak fails one test, not every later one)."""
+    before = _inherited_state()
+    yield
+    after = _inherited_state()
+    changed = sorted(name for name in before if before[name] != after[name])
+    if not changed:
+        return
+    environ = before["environ"]
+    for key in set(os.environ) - set(environ) - {"PYTEST_CURRENT_TEST"}:
+        del os.environ[key]
+    os.environ.update(environ)
+    os.umask(before["umask"])
+    signal.pthread_sigmask(signal.SIG_SETMASK, before["blocked signals"])
+    for s in after["ignored signals"] - before["ignored signals"]:
+        signal.signal(s, signal.SIG_DFL)
+    for s in before["ignored signals"] - after["ignored signals"]:
+        signal.signal(s, signal.SIG_IGN)
+    details = {name: (before[name], after[name]) for name in changed if name != "environ"}
+    if "environ" in changed:
+        details["environ"] = ({k: v for k, v in environ.items() if after["environ"].get(k) != v},
+                              {k: v for k, v in after["environ"].items() if environ.get(k) != v})
+    raise AssertionError(f"the test changed what later tests' processes inherit "
+                         f"(before, after): {details}")
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     """Each phase's report on its item (``item.failed_phase``), for fixtures' teardowns."""

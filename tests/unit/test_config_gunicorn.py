@@ -120,9 +120,16 @@ def test_process_settings_need_a_restart() -> None:
         assert BY_NAME[name].reloadable is False, name
 
 
+def unset(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """``name`` unset for the test, and unset again after it whatever the test set: a bare
+    ``delenv(name, raising=False)`` of a variable that is not set records nothing to undo."""
+    monkeypatch.setenv(name, "")
+    monkeypatch.delenv(name)
+
+
 def test_process_env_applies_and_undoes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("FS_TEST_KEPT", "original")
-    monkeypatch.delenv("FS_TEST_NEW", raising=False)
+    unset(monkeypatch, "FS_TEST_NEW")
     monkeypatch.setattr(sys, "path", ["/already", str(tmp_path / "b")])
     monkeypatch.chdir(tmp_path)
     env = ProcessEnv()
@@ -142,7 +149,7 @@ def test_a_forkserve_variable_set_with_env_is_not_a_setting_of_a_reload(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """HUP and USR2 resolve from the pristine environment: -e FORKSERVE_WORKERS=9 is for the
     app, as it was at the start."""
-    monkeypatch.delenv("FORKSERVE_WORKERS", raising=False)
+    unset(monkeypatch, "FORKSERVE_WORKERS")
     env = ProcessEnv()
     env.apply({"FORKSERVE_WORKERS": "9"}, [])
     assert resolve(cli("-w", "2", "-e", "FORKSERVE_WORKERS=9", APP), env.pristine()).workers == 2
