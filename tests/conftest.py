@@ -21,6 +21,17 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+MAX_TEST_PROCESSES = 4
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (pyproject's addopts): one test process per core this process may run on,
+    at most MAX_TEST_PROCESSES. Each load test drives its servers with client threads or wrk
+    sized for two cores; more at once than the cores would only make them wait on each
+    other (the suite's loaded-machine check is two whole runs side by side on 2 cores)."""
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_TEST_PROCESSES))
+
+
 def _open_fds() -> dict[int, str]:
     found = {}
     for name in os.listdir("/proc/self/fd"):
@@ -59,9 +70,9 @@ def no_leaked_fds() -> Iterator[None]:
         assert not leaked(), f"descriptors left open by the test: {leaked()}"
 
 
-# What a process started by a later test inherits from this one. In any order but file
-# order (pytest-xdist's), a unit test's leftover reaches the integration tests that run
-# after it in the same process: seen, FORKSERVE_WORKERS=9 set by a unit test and
+# What a process started by a later test inherits from this one. The tests run spread over
+# worker processes (pytest-xdist), so a unit test's leftover reaches the integration tests
+# that run after it in the same process: seen, FORKSERVE_WORKERS=9 set by a unit test and
 # never unset, and every later server of that process ran 9 workers whatever it was told.
 _INHERITED_SIGNALS = tuple(signal.Signals(n) for n in sorted(signal.valid_signals())
                            if n not in (signal.SIGKILL, signal.SIGSTOP) and n < signal.SIGRTMIN)
