@@ -142,11 +142,13 @@ class Load:
         with self._lock:
             return [body for at, body in self.bodies if at > moment]
 
-    def wait_requests(self, count: int, timeout: float = 10.0) -> None:
-        """Until ``count`` more requests have succeeded than now."""
+    def wait_requests(self, count: int, timeout: float = 10.0, allowed: str | None = None) -> None:
+        """Until ``count`` more requests have succeeded than now, or until a failure (one of
+        another kind than ``allowed``, when given: the refusals of a pause go on while the
+        resumed workers boot, and the wait is for them to serve)."""
         target = self.successes + count
-        wait_for(lambda: self.successes >= target or self.failures, timeout,
-                 f"{count} more successful requests")
+        wait_for(lambda: self.successes >= target or self.failures_except(allowed or "", 0),
+                 timeout, lambda: f"{count} more successful requests: {self.summary()}")
 
     def wait_body(self, predicate: Callable[[bytes], bool], after: float, timeout: float = 10.0,
                   what: str = "a matching response") -> bytes:
