@@ -147,8 +147,8 @@ class Server:
             parsed = json_records([line]) if records is not None else []
             with self._lock:
                 sink.append(line)
-                if parsed:
-                    records.append(parsed[0])  # type: ignore[union-attr]
+                if records is not None and parsed:
+                    records.append(parsed[0])
 
     # -- logs ----------------------------------------------------------------------------
     def records(self) -> list[dict[str, Any]]:
